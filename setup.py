@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="trl_rpp",
+    version="0.1.0",
+    description="REINFORCE++ and REINFORCE++-baseline for TRL, with exact, documented numerics",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(include=["trl_rpp", "trl_rpp.*"]),
+    python_requires=">=3.10",
+    # Floors are the versions this project is tested with. Install torch first (`pip install torch==2.13.0`):
+    # an unpinned torch may otherwise resolve to a multi-GB CUDA build.
+    install_requires=[
+        "torch>=2.13.0",
+        "trl>=1.16.0",
+        "transformers>=5.24.0",
+        "peft>=0.21.0",
+        "accelerate>=1.15.0",
+        "datasets>=5.2.0",
+        "wandb>=0.31.0",
+    ],
+    extras_require={
+        "dev": ["pytest>=9.0", "hypothesis>=6.150", "matplotlib>=3.10"],
+        "vllm": ["vllm"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
