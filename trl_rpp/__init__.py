@@ -25,3 +25,8 @@ __all__ = [
     "response_mean_k2_loss",
     "response_mean_ppo_loss",
 ]
+
+from .config import RPPConfig  # noqa: E402
+from .trainer import RPPTrainer  # noqa: E402
+
+__all__ += ["RPPConfig", "RPPTrainer"]

@@ -1,0 +1,263 @@
+"""`RPPTrainer`: REINFORCE++ and REINFORCE++-baseline as a thin subclass of `trl.GRPOTrainer`."""
+
+from __future__ import annotations
+
+import textwrap
+
+import torch
+from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+
+from .config import RPPConfig
+from .core import (
+    global_masked_normalize,
+    group_centered_rewards,
+    kl_k1,
+    masked_response_mean,
+    reinforce_pp_returns,
+    response_mean_k2_loss,
+    response_mean_ppo_loss,
+)
+
+# Optional per-batch model inputs (multimodal models) that TRL forwards to `_get_per_token_logps_and_entropies`.
+_FORWARD_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+class RPPTrainer(GRPOTrainer):
+    """REINFORCE++ / REINFORCE++-baseline trainer (arXiv:2501.03262, v9 main equations).
+
+    Use it exactly like [`~trl.GRPOTrainer`], with an [`RPPConfig`]. Everything GRPO does (generation, reward
+    functions, PEFT, accelerate, logging, checkpoints, model cards) is inherited. What differs from `GRPOTrainer`:
+
+    1. **Advantages.** After GRPO generates and scores a generation batch, the raw per-completion rewards (weighted
+       sum over reward functions, gathered across processes, before any GRPO normalization) are turned into `[B, T]`
+       token advantages by `trl_rpp.core`: k1-shaped KL-to-go returns (`reinforce_plus_plus`) or the inclusive
+       group-mean baseline (`reinforce_plus_plus_baseline`), then `global_masked_normalize` over every valid token of
+       the whole generation batch on all processes. The mask is TRL's completion mask times its tool mask (tool
+       output tokens are internal mask holes). Completions that no reward function could score get zero advantage
+       and leave both the group mean and the normalization population.
+    2. **Log-probs at generation.** Reference log-probs are computed once per generation batch when the estimator
+       needs them (k1 shaping with `kl_coef > 0`, or the KL loss), from the frozen initial model, or with adapters
+       disabled under PEFT, through GRPO's own reference code path. Old-policy log-probs are computed at generation
+       time when k1 shaping needs them, even where GRPO would skip them; no other forward pass is added.
+    3. **Loss.** The clipped token surrogate with response-mean reduction (`response_mean_ppo_loss`), plus
+       `kl_loss_coef * KL` (`response_mean_k2_loss`, or k1) when `use_kl_loss`. GRPO's k3 `beta` term is never used.
+       The loss is divided by the gradient-accumulation steps as in GRPO's `"grpo"` loss type.
+    4. **Metrics.** `advantages/*`, `returns/*`, `ref_kl/k1_mean`, `ppo_kl`, `kl_loss`, `policy_loss`, reduced across
+       processes (see `docs/metrics.md`), next to GRPO's own.
+    5. **Model card.** Named "REINFORCE++" with the REINFORCE++ citation and tags.
+    """
+
+    _tag_names = ["trl", "rpp", "reinforce-plus-plus"]
+    _name = "REINFORCE++"
+    _paper = {
+        "title": "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models",
+        "id": "2501.03262",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{hu2025reinforce,
+                title        = {{REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models}},
+                author       = {Jian Hu and others},
+                year         = 2025,
+                eprint       = {arXiv:2501.03262},
+            }"""),
+    }
+
+    def __init__(self, model, reward_funcs=None, args: RPPConfig | None = None, *pargs, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = RPPConfig(f"{str(name).rstrip('/').split('/')[-1] or 'model'}-RPP")
+        if not isinstance(args, RPPConfig):
+            raise TypeError(f"args must be an RPPConfig, got {type(args).__name__}: use RPPConfig(...) instead.")
+        self._rpp_needs_ref = args.kl_coef != 0.0 or args.use_kl_loss
+        # GRPO builds the reference (a frozen copy, or the disabled/"ref" adapter under PEFT) iff beta != 0.
+        # Borrow that code path while constructing; beta is never used in the RPP loss.
+        args.beta = 1.0 if self._rpp_needs_ref else 0.0
+        try:
+            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        finally:
+            args.beta = 0.0
+        self.beta = 0.0
+        self._rpp_rewards_per_func = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Generation: raw rewards -> [B, T] advantages
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # Keep the gathered raw rewards [B_global, num_reward_funcs]: GRPO normalizes them per group afterwards.
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._rpp_rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def _forward_logps(self, model, batch, **extra):
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        forward = {k: batch[k] for k in _FORWARD_KEYS if batch.get(k) is not None}
+        return self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, batch["completion_ids"].size(1), **forward, **extra
+        )
+
+    def _generate_and_score_completions(self, inputs):
+        # GRPO computes reference log-probs iff self.beta != 0: switch it on only for this call.
+        self.beta = 1.0 if self._rpp_needs_ref else 0.0
+        try:
+            batch = super()._generate_and_score_completions(inputs)
+        finally:
+            self.beta = 0.0
+        args = self.args
+        mode = "train" if self.model.training else "eval"
+        device = batch["completion_ids"].device
+        mask = batch["completion_mask"].bool()
+        if "tool_mask" in batch:
+            mask = mask & batch["tool_mask"].bool()
+
+        # Raw rewards as GRPO sums them; rows that no reward function scored are "unscorable".
+        rewards_per_func = self._rpp_rewards_per_func
+        self._rpp_rewards_per_func = None
+        scorable = ~torch.isnan(rewards_per_func).all(dim=1)
+        weights = self.reward_weights.to(rewards_per_func.device)
+        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+        local_B = batch["completion_ids"].size(0)
+        local = slice(self.accelerator.process_index * local_B, (self.accelerator.process_index + 1) * local_B)
+        mask = mask & scorable[local].unsqueeze(1)
+
+        ref_logps = batch.get("ref_per_token_logps")
+        if args.advantage_estimator == "reinforce_plus_plus":
+            old_logps = batch.get("old_per_token_logps")
+            if args.kl_coef != 0.0 and old_logps is None:
+                batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+                with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
+                    old_logps, _, _ = self._forward_logps(self.model, batch, batch_size=batch_size)
+                # The loss then uses these exact log-probs as pi_old, the same ones that shaped the reward.
+                batch["old_per_token_logps"] = old_logps
+            raw = reinforce_pp_returns(rewards[local], old_logps, ref_logps, mask, args.kl_coef, args.gamma)
+        else:
+            num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+            centered = group_centered_rewards(rewards, num_generations, scorable)[local]
+            raw = torch.where(mask, centered.unsqueeze(1), torch.zeros((), dtype=centered.dtype, device=device))
+
+        advantages, raw_mean, raw_var, count = global_masked_normalize(raw, mask)
+        batch["advantages"] = advantages
+        self._log_advantage_metrics(mode, raw, advantages, mask, raw_mean, raw_var, count, batch)
+        return batch
+
+    def _log_advantage_metrics(self, mode, raw, advantages, mask, raw_mean, raw_var, count, batch):
+        # One gather and one host transfer per generation batch, for logging only (GRPO logs the same way).
+        old, ref = batch.get("old_per_token_logps"), batch.get("ref_per_token_logps")
+        zero = torch.zeros((), dtype=torch.float32, device=raw.device)
+        big = torch.tensor([torch.finfo(torch.float32).max], device=raw.device)
+        adv = torch.where(mask, advantages.float(), zero)
+        raw = raw.float()
+        has_kl = old is not None and ref is not None
+        k1_sum = kl_k1(old, ref, mask).float().sum() if has_kl else zero
+        local = torch.stack(
+            [
+                adv.sum(),
+                (adv * adv).sum(),
+                k1_sum,
+                torch.cat([torch.where(mask, raw, -big).flatten(), -big]).max(),
+                torch.cat([torch.where(mask, -raw, -big).flatten(), -big]).max(),
+            ]
+        )
+        stats = self.accelerator.gather(local.unsqueeze(0)).view(-1, local.numel())
+        totals = torch.cat([stats[:, :3].sum(dim=0), stats[:, 3:].amax(dim=0)])
+        moments = torch.stack([raw_mean.float(), raw_var.float(), count.float()])
+        adv_sum, adv_sq, k1_total, raw_max, neg_raw_min, mu, var, n = torch.cat([totals, moments]).tolist()
+        n_safe = max(n, 1.0)
+        norm_mean = adv_sum / n_safe
+        m = self._metrics[mode]
+        m["advantages/raw_mean"].append(mu)
+        m["advantages/raw_std"].append(var**0.5)
+        m["advantages/mean"].append(norm_mean)
+        m["advantages/std"].append(max(adv_sq / n_safe - norm_mean**2, 0.0) ** 0.5)
+        m["advantages/valid_tokens"].append(n)
+        m["advantages/zero_variance"].append(float(var <= 1e-8))
+        if self.args.advantage_estimator == "reinforce_plus_plus":
+            # For REINFORCE++ the raw advantages are the k1-shaped returns G.
+            m["returns/mean"].append(mu)
+            m["returns/std"].append(var**0.5)
+            m["returns/max"].append(raw_max)
+            m["returns/min"].append(-neg_raw_min)
+        if has_kl:
+            m["ref_kl/k1_mean"].append(k1_total / n_safe)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Loss
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _compute_loss(self, model, inputs):
+        args = self.args
+        mode = "train" if self.model.training else "eval"
+        mask = inputs["completion_mask"].bool()
+        if "tool_mask" in inputs:
+            mask = mask & inputs["tool_mask"].bool()
+        logps, entropies, aux_loss = self._forward_logps(
+            model, inputs, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
+        )
+        old_logps = inputs.get("old_per_token_logps")
+        # Without a stored pi_old, generation and optimisation are aligned and pi_old == pi_theta (as in GRPO).
+        old_logps = logps.detach() if old_logps is None else old_logps
+        advantages = inputs["advantages"]
+
+        policy_loss = response_mean_ppo_loss(logps, old_logps, advantages, mask, self.epsilon_low, self.epsilon_high)
+        loss = policy_loss
+        kl_loss = None
+        if args.use_kl_loss:
+            ref_logps = inputs["ref_per_token_logps"]
+            if args.kl_loss_type == "k2":
+                kl_loss = response_mean_k2_loss(logps, ref_logps, mask)
+            else:
+                kl_loss = masked_response_mean(kl_k1(logps, ref_logps, mask), mask)
+            loss = loss + args.kl_loss_coef * kl_loss
+
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        loss = loss / normalizer
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
+
+        with torch.no_grad():
+            zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
+            ratio = torch.exp(torch.where(mask, logps.detach() - old_logps, zero))
+            low = mask & (ratio < 1 - self.epsilon_low) & (advantages < 0)
+            high = mask & (ratio > 1 + self.epsilon_high) & (advantages > 0)
+            local = [
+                mask.sum().float(),
+                torch.where(mask, entropies.detach(), zero).sum().float(),
+                low.sum().float(),
+                high.sum().float(),
+                (low | high).sum().float(),
+                masked_response_mean(old_logps - logps.detach(), mask).float(),
+                policy_loss.detach().float(),
+                (kl_loss.detach().float() if kl_loss is not None else torch.zeros((), device=logps.device)),
+            ]
+            if self.aux_loss_enabled:
+                local.append(aux_loss.detach().float())
+            stats = self.accelerator.gather(torch.stack(local).unsqueeze(0)).view(-1, len(local))
+            sums = stats[:, :5].sum(dim=0)
+            means = stats[:, 5:].mean(dim=0)  # equal B per process, so the mean of response means is global
+            values = torch.cat([sums, means]).tolist()
+        n = max(values[0], 1.0)
+        m = self._metrics[mode]
+        m["entropy"].append(values[1] / n)
+        m["clip_ratio/low_mean"].append(values[2] / n)
+        m["clip_ratio/high_mean"].append(values[3] / n)
+        m["clip_ratio/region_mean"].append(values[4] / n)
+        m["ppo_kl"].append(values[5])
+        m["policy_loss"].append(values[6])
+        if kl_loss is not None:
+            m["kl_loss"].append(values[7])
+        if self.aux_loss_enabled:
+            m["aux_loss"].append(values[8])
+        return loss
