@@ -1,0 +1,107 @@
+"""RPPConfig: the spec's recipes as defaults, every rejection by message, and docs that agree with the fields."""
+
+import dataclasses
+import re
+import warnings
+
+import pytest
+
+from trl_rpp import RPPConfig
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+CPU = dict(output_dir="/tmp/trl_rpp_cfg", report_to="none", use_cpu=True, bf16=False)
+BASE = "reinforce_plus_plus_baseline"
+
+
+def make(**kw):
+    return RPPConfig(**CPU, **kw)
+
+
+def test_reinforce_pp_recipe_defaults():
+    c = make()
+    assert c.advantage_estimator == "reinforce_plus_plus"
+    assert (c.gamma, c.kl_coef, c.use_kl_loss, c.normalize_advantages) == (1.0, 0.01, False, True)
+    assert (c.loss_type, c.scale_rewards, c.beta) == ("grpo", "none", 0.0)
+
+
+def test_baseline_recipe_defaults():
+    c = make(advantage_estimator=BASE)
+    assert (c.num_generations, c.kl_coef, c.use_kl_loss, c.kl_loss_type, c.kl_loss_coef) == (8, 0.0, True, "k2", 0.01)
+    assert (c.loss_type, c.scale_rewards) == ("grpo", "none")
+
+
+def test_reinforce_pp_with_kl_loss_instead_of_shaping():
+    c = make(kl_coef=0.0, use_kl_loss=True)
+    assert (c.kl_loss_type, c.kl_loss_coef) == ("k2", 0.01)
+
+
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        (dict(advantage_estimator="reinforce_plus_plus_basline"), r"advantage_estimator=.*accepted values are 'reinforce_plus_plus', 'reinforce_plus_plus_baseline'.*Did you mean 'reinforce_plus_plus_baseline'"),
+        (dict(advantage_estimator="grpo"), r"advantage_estimator='grpo' is not supported; accepted values"),
+        (dict(advantage_estimator=BASE, num_generations=1), r"num_generations=1 .*accepted: an integer >= 2"),
+        (dict(loss_type="dapo"), r"loss_type='dapo' .*accepted: 'grpo'"),
+        (dict(loss_type="bnpo"), r"loss_type='bnpo' .*accepted: 'grpo'"),
+        (dict(beta=0.04), r"beta=0.04 .*accepted: 0.0.*count the KL twice"),
+        (dict(scale_rewards="group"), r"scale_rewards='group' .*accepted: 'none'"),
+        (dict(scale_rewards="batch"), r"scale_rewards='batch' .*accepted: 'none'"),
+        (dict(kl_coef=0.01, use_kl_loss=True), r"use_kl_loss=True .*accepted: False while kl_coef > 0"),
+        (dict(advantage_estimator=BASE, kl_coef=0.01), r"kl_coef=0.01 .*reinforce_plus_plus_baseline.*accepted: 0.0"),
+        (dict(advantage_estimator=BASE, kl_loss_type="k1"), r"kl_loss_type='k1' .*accepted: 'k2'"),
+        (dict(kl_loss_type="k3"), r"kl_loss_type='k3' is not supported; accepted values are 'k1', 'k2'"),
+        (dict(kl_loss_type="K2"), r"Did you mean 'k2'"),
+        (dict(advantage_estimator=BASE, multi_objective_aggregation="normalize_then_sum"), r"multi_objective_aggregation='normalize_then_sum' .*accepted: 'sum_then_normalize'"),
+        (dict(normalize_advantages=False), r"normalize_advantages=False .*accepted: True"),
+        (dict(kl_coef=-0.1), r"kl_coef=-0.1 .*accepted: a float >= 0"),
+        (dict(kl_coef=0.0, use_kl_loss=True, kl_loss_coef=-1.0), r"kl_loss_coef=-1.0 .*accepted: a float >= 0"),
+        (dict(gamma=1.5), r"gamma=1.5 .*accepted: a float in \[0, 1\]"),
+        (dict(gamma=-0.1), r"gamma=-0.1 .*accepted: a float in \[0, 1\]"),
+        (dict(importance_sampling_level="sequence"), r"importance_sampling_level='sequence' .*accepted: 'token'"),
+        (dict(top_entropy_quantile=0.2), r"top_entropy_quantile=0.2 .*accepted: 1.0"),
+        (dict(off_policy_mask_threshold=0.5), r"off_policy_mask_threshold=0.5 .*accepted: None"),
+        (dict(delta=1.5), r"delta=1.5 .*accepted: None"),
+        (dict(entropy_coef=0.01), r"entropy_coef=0.01 .*accepted: 0.0"),
+        (dict(sync_ref_model=True), r"sync_ref_model=True .*accepted: False"),
+        (dict(use_vllm=True), r"use_vllm=True .*accepted: False"),
+    ],
+)
+def test_rejections_name_field_and_accepted_values(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make(**kwargs)
+
+
+def test_context_parallelism_is_rejected():
+    from accelerate.parallelism_config import ParallelismConfig
+
+    with pytest.raises(ValueError, match="cp_size"):
+        make(parallelism_config=ParallelismConfig(cp_size=2))
+
+
+def test_docstring_and_field_metadata_agree():
+    """Every RPP field is documented in the class docstring, and the docstring's default matches the field's."""
+    own = [f for f in dataclasses.fields(RPPConfig) if f.name in RPPConfig.__annotations__]
+    doc = RPPConfig.__doc__
+    assert {f.name for f in own} >= {
+        "advantage_estimator",
+        "normalize_advantages",
+        "gamma",
+        "kl_coef",
+        "use_kl_loss",
+        "kl_loss_type",
+        "kl_loss_coef",
+    }
+    for f in own:
+        assert f.metadata.get("help"), f"{f.name} has no help metadata"
+        if f.name in ("loss_type", "scale_rewards"):
+            continue  # GRPO fields whose default changes here; documented in the class docstring prose.
+        m = re.search(rf"^\s+{f.name} \(`([^`]+)`, \*optional\*(?:, defaults to `([^`]+)`)?\):", doc, re.M)
+        assert m, f"{f.name} is not documented in RPPConfig's docstring"
+        if f.default is None:
+            assert m.group(2) is None, f"{f.name}: docstring states a fixed default but the field resolves per estimator"
+        else:
+            assert m.group(2) == repr(f.default).replace("'", '"'), (f.name, m.group(2), f.default)
+        if "choices" in f.metadata:
+            for choice in f.metadata["choices"]:
+                assert f'"{choice}"' in doc, (f.name, choice)

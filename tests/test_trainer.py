@@ -1,0 +1,203 @@
+"""RPPTrainer end to end on a tiny local model: the advantages the loss receives equal the float64 reference."""
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+from reference import (
+    ref_global_masked_normalize,
+    ref_group_mean_advantages,
+    ref_reinforce_pp_returns,
+)
+from trl_rpp import RPPConfig, RPPTrainer
+from trl_rpp.tiny import build_tiny_model, copy_first_char_reward, copy_task_dataset
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+os.environ.setdefault("WANDB_MODE", "offline")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def length_reward(completions, **kwargs):
+    """A second, continuous reward so that the weighted sum over reward functions is exercised."""
+    return [len(c) / 4.0 for c in completions]
+
+
+class CaptureTrainer(RPPTrainer):
+    """Records the gathered raw rewards, each generation batch as built, and each batch the loss receives."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.captured_rewards, self.generation_batches, self.loss_inputs = [], [], []
+
+    def _calculate_rewards(self, *a, **kw):
+        out = super()._calculate_rewards(*a, **kw)
+        self.captured_rewards.append(out.detach().clone())
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)
+        self.generation_batches.append({k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in batch.items()})
+        return batch
+
+    def _compute_loss(self, model, inputs):
+        self.loss_inputs.append({k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in inputs.items()})
+        return super()._compute_loss(model, inputs)
+
+
+def make_args(tmp_path, estimator, **kw):
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        advantage_estimator=estimator,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=4,
+        learning_rate=1e-2,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_dropout=True,
+        reward_weights=[1.0, 0.5],
+    )
+    base.update(kw)
+    return RPPConfig(**base)
+
+
+def initial_model_logps(model_path, batch, temperature):
+    """log pi_init(token) at the completion positions, from a fresh load of the initial weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    T = batch["completion_ids"].size(1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, -T - 1 : -1].double() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+def rows_key(batch, i):
+    return (tuple(batch["prompt_ids"][i].tolist()), tuple(batch["completion_ids"][i].tolist()))
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_loss_receives_reference_advantages(tmp_path, tiny_model, estimator, num_iterations):
+    kw = dict(num_iterations=num_iterations, max_steps=2 * num_iterations + 2)
+    if estimator == "reinforce_plus_plus":
+        kw.update(kl_coef=0.05, gamma=0.9)
+    args = make_args(tmp_path, estimator, **kw)
+    trainer = CaptureTrainer(
+        model=tiny_model,
+        reward_funcs=[copy_first_char_reward, length_reward],
+        args=args,
+        train_dataset=copy_task_dataset(64),
+    )
+    trainer.train()
+    assert len(trainer.generation_batches) >= 2
+
+    for gen_index, (batch, rpf) in enumerate(zip(trainer.generation_batches, trainer.captured_rewards)):
+        B = batch["completion_ids"].size(0)
+        assert B == 8  # per_device_train_batch_size * steps_per_generation
+        rewards = [rpf[i, 0].item() * 1.0 + rpf[i, 1].item() * 0.5 for i in range(B)]
+        mask = batch["completion_mask"].tolist()
+        ref = batch.get("ref_per_token_logps")
+        assert ref is not None, "the reference log-probs are computed for both recipes"
+        # The reference is the frozen initial model, also after optimizer steps.
+        torch.testing.assert_close(
+            torch.where(batch["completion_mask"].bool(), ref.double(), 0.0),
+            torch.where(batch["completion_mask"].bool(), initial_model_logps(tiny_model, batch, args.temperature), 0.0),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+        if estimator == "reinforce_plus_plus":
+            old = batch["old_per_token_logps"]
+            if gen_index == 0:  # nothing has been trained yet: pi_old == pi_ref, so k1 == 0
+                torch.testing.assert_close(old[batch["completion_mask"].bool()], ref[batch["completion_mask"].bool()])
+            raw = ref_reinforce_pp_returns(rewards, old.double().tolist(), ref.double().tolist(), mask, 0.05, 0.9)
+        else:
+            raw = ref_group_mean_advantages(rewards, mask, 4)
+        want, _, _, _ = ref_global_masked_normalize([raw], [mask])
+        torch.testing.assert_close(batch["advantages"].double(), torch.tensor(want[0], dtype=torch.float64), rtol=1e-5, atol=1e-5)
+
+    # What the loss receives: micro-batches of 4 rows, each row carrying its generation batch's advantages.
+    assert len(trainer.loss_inputs) == args.max_steps * args.gradient_accumulation_steps
+    by_key = {}
+    for batch in trainer.generation_batches:
+        for i in range(batch["completion_ids"].size(0)):
+            by_key.setdefault(rows_key(batch, i), []).append(batch["advantages"][i])
+    for inputs in trainer.loss_inputs:
+        assert inputs["advantages"].shape == inputs["completion_ids"].shape
+        for i in range(inputs["completion_ids"].size(0)):
+            candidates = by_key[rows_key(inputs, i)]
+            assert any(torch.equal(inputs["advantages"][i], c) for c in candidates)
+
+    logs = [h for h in trainer.state.log_history if "advantages/std" in h]
+    assert logs and all(math.isfinite(v) for h in logs for v in h.values() if isinstance(v, float))
+    assert all(h["advantages/mean"] == pytest.approx(0.0, abs=1e-5) for h in logs)
+    if estimator == "reinforce_plus_plus_baseline":
+        assert all("kl_loss" in h for h in logs)
+    else:
+        assert all("returns/mean" in h and "ref_kl/k1_mean" in h for h in logs)
+
+
+def test_no_reference_forward_when_no_kl(tmp_path, tiny_model):
+    """REINFORCE++ with kl_coef=0 needs neither reference nor old log-probs: none are computed."""
+    args = make_args(tmp_path, "reinforce_plus_plus", kl_coef=0.0, max_steps=2)
+    trainer = CaptureTrainer(
+        model=tiny_model, reward_funcs=[copy_first_char_reward, length_reward], args=args, train_dataset=copy_task_dataset(32)
+    )
+    assert trainer.ref_model is None and trainer.beta == 0.0
+    trainer.train()
+    for batch in trainer.generation_batches:
+        assert "ref_per_token_logps" not in batch and "old_per_token_logps" not in batch
+
+
+def test_trainer_rejects_plain_grpo_config(tiny_model):
+    from trl import GRPOConfig
+
+    with pytest.raises(TypeError, match="RPPConfig"):
+        RPPTrainer(
+            model=tiny_model,
+            reward_funcs=copy_first_char_reward,
+            args=GRPOConfig(output_dir="/tmp/x", use_cpu=True, bf16=False, report_to="none"),
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_tiny_model_learns_copy_task(tmp_path, tiny_model, estimator):
+    """Budget: 200 optimizer steps of 8 prompts x 8 samples (about 20 s here). Reward must go from < 0.2 to > 0.8."""
+    torch.set_num_threads(1)
+    args = make_args(
+        tmp_path,
+        estimator,
+        per_device_train_batch_size=64,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=8,
+        max_completion_length=2,
+        max_steps=200,
+        learning_rate=3e-3,
+        logging_steps=10,
+        reward_weights=None,
+    )
+    trainer = RPPTrainer(
+        model=tiny_model, reward_funcs=copy_first_char_reward, args=args, train_dataset=copy_task_dataset(20000)
+    )
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    assert rewards[0] < 0.2, rewards
+    assert sum(rewards[-3:]) / 3 > 0.8, rewards
