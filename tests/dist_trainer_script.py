@@ -1,0 +1,62 @@
+"""Run by tests/test_trainer_distributed.py under `accelerate launch --multi_gpu --num_processes 2` (gloo on CPU).
+
+Trains RPPTrainer for two steps on a tiny model and saves, per rank, each generation batch as built and the
+gathered raw rewards, so the parent test can rebuild the global population and compare.
+"""
+
+import os
+import sys
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from test_trainer import CaptureTrainer, length_reward  # noqa: E402
+from trl_rpp import RPPConfig  # noqa: E402
+from trl_rpp.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
+
+
+def main(outdir, model_path, estimator):
+    extra = dict(kl_coef=0.05, gamma=0.9) if estimator == "reinforce_plus_plus" else {}
+    args = RPPConfig(
+        output_dir=os.path.join(outdir, "out"),
+        advantage_estimator=estimator,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=4,
+        num_generations=8,  # one group of 8 straddles the two processes
+        max_completion_length=4,
+        max_steps=2,
+        learning_rate=1e-2,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_dropout=True,
+        reward_weights=[1.0, 0.5],
+        **extra,
+    )
+    trainer = CaptureTrainer(
+        model=model_path,
+        reward_funcs=[copy_first_char_reward, length_reward],
+        args=args,
+        train_dataset=copy_task_dataset(64),
+    )
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    assert trainer.accelerator.num_processes == 2, trainer.accelerator.num_processes
+    torch.save(
+        dict(
+            batches=trainer.generation_batches,
+            rewards=trainer.captured_rewards,
+            logs=trainer.state.log_history,
+            backend=torch.distributed.get_backend(),
+        ),
+        os.path.join(outdir, f"rank{rank}.pt"),
+    )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
