@@ -201,3 +201,39 @@ def test_tiny_model_learns_copy_task(tmp_path, tiny_model, estimator):
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     assert rewards[0] < 0.2, rewards
     assert sum(rewards[-3:]) / 3 > 0.8, rewards
+
+
+def test_peft_lora_reference_is_disabled_adapter_and_card_and_wandb(tmp_path, tiny_model, monkeypatch):
+    """LoRA for a few steps: the reference is the model with adapters disabled, a model card is written, and
+    an offline wandb run directory is created."""
+    from peft import LoraConfig
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    args = make_args(tmp_path, "reinforce_plus_plus_baseline", report_to="wandb", max_steps=2, learning_rate=5e-2)
+    trainer = CaptureTrainer(
+        model=tiny_model,
+        reward_funcs=[copy_first_char_reward, length_reward],
+        args=args,
+        train_dataset=copy_task_dataset(32),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
+    assert trainer.ref_model is None  # PEFT: no second copy, adapters are disabled instead
+    trainer.train()
+    import wandb
+
+    wandb.finish()
+    # LoRA B starts at zero, then moves: the trained policy differs from the base, the reference does not.
+    last = trainer.generation_batches[-1]
+    base = initial_model_logps(tiny_model, last, args.temperature)
+    m = last["completion_mask"].bool()
+    torch.testing.assert_close(last["ref_per_token_logps"][m].double(), base[m], rtol=1e-5, atol=1e-5)
+    lora_b = [p for n, p in trainer.model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(p.abs().sum() > 0 for p in lora_b)
+
+    trainer.create_model_card(model_name="tiny-rpp", dataset_name="copy-task")
+    card = open(os.path.join(args.output_dir, "README.md")).read()
+    assert "REINFORCE++" in card and "2501.03262" in card and "reinforce-plus-plus" in card
+    runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+    assert runs, os.listdir(tmp_path / "wandb")
