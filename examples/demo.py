@@ -1,0 +1,210 @@
+"""The main job: fine-tune SmolLM2-135M-Instruct offline with REINFORCE++-baseline on arithmetic.
+
+    make demo                        # = python examples/demo.py
+    python examples/demo.py --tiny   # same pipeline on a tiny random-init model, under a minute
+
+Task: "What is a + b? Answer with just the number." with a in 0..99 and b in 0..20, the assistant turn pre-filled
+with "a + b =" (without the pre-fill the model echoes the operands). Reward: 1 if the first integer of the
+completion is the sum. A 128-prompt held-out split is scored greedily before and after training.
+
+Everything lands in --output_dir: the LoRA checkpoint and its model card (README.md), metrics.jsonl (the trainer's
+log history), learning_curve.png (reward per step with a moving average), summary.json and the offline wandb run.
+
+Threads: on an idle 2-core machine 2 torch threads were about 1.7x faster than 1 (greedy eval of 128 prompts: 10.9 s
+vs 18.1 s); when other work competes for the cores, 1 thread was about 10x faster than the default. The default is
+every core; pass --threads 1 on a busy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import time
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
+
+QUESTION = "What is {a} + {b}? Answer with just the number."
+
+
+def arithmetic_prompts(tokenizer, n, seed):
+    """Chat-formatted prompts whose assistant turn is pre-filled with "a + b =", and their answers."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 99), rng.randint(0, 20)
+        chat = [{"role": "user", "content": QUESTION.format(a=a, b=b)}]
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        rows.append({"prompt": f"{text}{a} + {b} =", "answer": a + b})
+    return rows
+
+
+def first_integer_reward(completions, answer, **kwargs):
+    """1.0 if the first integer in the completion equals the answer, else 0.0."""
+    out = []
+    for completion, target in zip(completions, answer):
+        match = re.search(r"-?\d+", completion)
+        out.append(1.0 if match and int(match.group()) == int(target) else 0.0)
+    return out
+
+
+def copy_rows(n, seed):
+    from trl_rpp.tiny import copy_task_dataset
+
+    return [dict(r, answer=r["prompt"][0]) for r in copy_task_dataset(n, seed=seed)]
+
+
+def copy_reward(completions, answer, **kwargs):
+    return [1.0 if c[:1] == a else 0.0 for c, a in zip(completions, answer)]
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, rows, reward_fn, max_new_tokens, batch_size=64):
+    model.eval()
+    tokenizer.padding_side = "left"
+    hits = 0.0
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        enc = tokenizer([r["prompt"] for r in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        hits += sum(reward_fn(texts, [r["answer"] for r in chunk]))
+    model.train()
+    return hits / len(rows)
+
+
+def plot_curve(steps, rewards, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    window = max(1, min(5, len(rewards)))
+    smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1]) for i in range(len(rewards))]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, rewards, "o", alpha=0.4, label="reward (mean over the generation batch)")
+    ax.plot(steps, smooth, "-", label=f"moving average ({window} steps)")
+    ax.set(xlabel="optimizer step", ylabel="training reward", title=title, ylim=(-0.02, 1.02))
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny random-init model and the copy task (under a minute)")
+    p.add_argument("--output_dir", default=None, help="default: outputs/demo or outputs/demo-tiny")
+    p.add_argument("--max_steps", type=int, default=None, help="default: 18 (SmolLM2) or 150 (--tiny)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: every core)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    t0 = time.time()
+    output_dir = a.output_dir or ("outputs/demo-tiny" if a.tiny else "outputs/demo")
+    os.makedirs(output_dir, exist_ok=True)
+    os.environ.setdefault("WANDB_DIR", os.path.abspath(output_dir))
+    os.environ.setdefault("WANDB_PROJECT", "trl_rpp-demo")
+
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if a.tiny:
+        from trl_rpp.tiny import build_tiny_model
+
+        model_path = build_tiny_model(os.path.join(output_dir, "tiny-base-model"))
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        train_rows, heldout_rows = copy_rows(4000, a.seed + 1), copy_rows(128, a.seed + 2)
+        reward_fn, max_new = copy_reward, 2
+        config = dict(
+            per_device_train_batch_size=64, num_generations=8, max_completion_length=2, learning_rate=3e-3,
+            max_steps=a.max_steps or 150, logging_steps=10,
+        )
+        peft_config = None
+    else:
+        from trl_rpp.assets import smollm2_path
+
+        print("[demo] locating SmolLM2-135M-Instruct (the first run converts the GGUF file, ~20-45 s)", flush=True)
+        model_path = str(smollm2_path())
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        train_rows = arithmetic_prompts(tokenizer, 2000, a.seed + 1)
+        heldout_rows = arithmetic_prompts(tokenizer, 128, a.seed + 2)
+        reward_fn, max_new = first_integer_reward, 6
+        config = dict(
+            per_device_train_batch_size=32, num_generations=4, max_completion_length=6, learning_rate=1e-4,
+            max_steps=a.max_steps or 18, logging_steps=1,
+        )
+        peft_config = LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            task_type="CAUSAL_LM",
+        )
+    print(f"[demo] model ready at {model_path} ({time.time() - t0:.0f} s)", flush=True)
+
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    before = greedy_accuracy(base, tokenizer, heldout_rows, reward_fn, max_new)
+    del base
+    print(f"[demo] held-out greedy accuracy before training: {before:.3f} ({time.time() - t0:.0f} s)", flush=True)
+
+    args = RPPConfig(
+        output_dir=output_dir,
+        advantage_estimator="reinforce_plus_plus_baseline",
+        use_cpu=True,
+        bf16=False,
+        temperature=1.0,
+        report_to="wandb",
+        run_name=os.path.basename(os.path.abspath(output_dir)),
+        save_strategy="no",
+        seed=a.seed,
+        disable_dropout=True,
+        **config,
+    )
+    trainer = RPPTrainer(
+        model=model_path,
+        reward_funcs=reward_fn,
+        args=args,
+        train_dataset=Dataset.from_list(train_rows),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    trainer.train()
+    trainer.save_model(output_dir)
+    trainer.create_model_card(model_name=os.path.basename(os.path.abspath(output_dir)), dataset_name="arithmetic (generated)" if not a.tiny else "copy task (generated)")
+    after = greedy_accuracy(trainer.model, tokenizer, heldout_rows, reward_fn, max_new)
+    print(f"[demo] held-out greedy accuracy after training: {after:.3f}", flush=True)
+
+    history = trainer.state.log_history
+    with open(os.path.join(output_dir, "metrics.jsonl"), "w") as f:
+        for row in history:
+            f.write(json.dumps(row) + "\n")
+    points = [(h["step"], h["reward"]) for h in history if "reward" in h]
+    plot_curve(
+        [s for s, _ in points], [r for _, r in points], os.path.join(output_dir, "learning_curve.png"),
+        f"REINFORCE++-baseline: held-out {before:.2f} -> {after:.2f}",
+    )
+    import wandb
+
+    if wandb.run is not None:
+        wandb.run.summary.update({"heldout_accuracy/before": before, "heldout_accuracy/after": after})
+        wandb.finish()
+    summary = dict(
+        model=model_path, heldout_before=before, heldout_after=after, steps=args.max_steps,
+        first_reward=points[0][1] if points else None, last_reward=points[-1][1] if points else None,
+        seconds=round(time.time() - t0, 1), threads=a.threads,
+    )
+    with open(os.path.join(output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"[demo] done in {summary['seconds']} s: {json.dumps(summary)}", flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
