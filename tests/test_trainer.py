@@ -237,3 +237,73 @@ def test_peft_lora_reference_is_disabled_adapter_and_card_and_wandb(tmp_path, ti
     assert "REINFORCE++" in card and "2501.03262" in card and "reinforce-plus-plus" in card
     runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
     assert runs, os.listdir(tmp_path / "wandb")
+
+
+def spec_step_loss(model, micro_batches, epsilon, kl_loss_coef, temperature):
+    """The spec's objective for one optimizer step, written out with explicit per-response loops:
+    (1/B) sum_i (1/L_i) sum_t max(-rho A, -clip(rho) A)  +  kl_loss_coef * (1/B) sum_i (1/L_i) sum_t 0.5 (logp - ref)^2,
+    with B every response of every micro-batch of the step (float64 model)."""
+    terms_pg, terms_kl = [], []
+    for mb in micro_batches:
+        ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], dim=1)
+        attn = torch.cat([mb["prompt_mask"], mb["completion_mask"]], dim=1)
+        T = mb["completion_ids"].size(1)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, -T - 1 : -1] / temperature
+        logp = torch.log_softmax(logits, -1).gather(-1, mb["completion_ids"].unsqueeze(-1)).squeeze(-1)
+        old = mb.get("old_per_token_logps")
+        for i in range(ids.size(0)):
+            pg, kl, n = 0.0, 0.0, 0
+            for t in range(T):
+                if not mb["completion_mask"][i, t]:
+                    continue
+                lp = logp[i, t]
+                o = lp.detach() if old is None else old[i, t].double()
+                rho = torch.exp(lp - o)
+                A = mb["advantages"][i, t].double()
+                pg = pg + torch.maximum(-rho * A, -torch.clamp(rho, 1 - epsilon, 1 + epsilon) * A)
+                if kl_loss_coef:
+                    kl = kl + 0.5 * (lp - mb["ref_per_token_logps"][i, t].double()) ** 2
+                n += 1
+            terms_pg.append(pg / max(n, 1))
+            terms_kl.append(kl / max(n, 1))
+    B = len(terms_pg)
+    return sum(terms_pg) / B + kl_loss_coef * sum(terms_kl) / B
+
+
+@pytest.mark.parametrize(
+    "estimator,num_iterations",
+    [("reinforce_plus_plus", 2), ("reinforce_plus_plus_baseline", 1), ("reinforce_plus_plus_baseline", 2)],
+)
+def test_accumulated_gradient_equals_spec_objective(tmp_path, tiny_model, estimator, num_iterations):
+    """Gradient accumulation 2 x steps_per_generation 2: the gradient the optimizer sees at the first step is the
+    gradient of the spec's response-mean objective over all 8 responses of the step."""
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    grads = []
+
+    class GradCapture(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    kw = dict(num_iterations=num_iterations, max_steps=1, max_grad_norm=0.0)
+    trainer = CaptureTrainer(
+        model=tiny_model,
+        reward_funcs=[copy_first_char_reward, length_reward],
+        args=make_args(tmp_path, estimator, **kw),
+        train_dataset=copy_task_dataset(32),
+        callbacks=[GradCapture()],
+    )
+    trainer.train()
+    assert len(grads) == 1 and len(trainer.loss_inputs) == 2
+
+    model64 = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
+    model64.train()  # dropout is disabled in the config, and the tiny model has none
+    loss = spec_step_loss(
+        model64, trainer.loss_inputs, trainer.args.epsilon, trainer.args.kl_loss_coef if trainer.args.use_kl_loss else 0.0,
+        trainer.args.temperature,
+    )
+    loss.backward()
+    want = {n: p.grad for n, p in model64.named_parameters() if p.grad is not None}
+    assert set(want) == set(grads[0])
+    for name, g in grads[0].items():
+        torch.testing.assert_close(g.double(), want[name], rtol=1e-4, atol=1e-6, msg=name)
