@@ -268,6 +268,15 @@ def test_edge_zero_variance_and_single_token_give_finite_zeros():
     assert count.item() == 1 and torch.equal(out, torch.zeros(3, 4))
 
 
+@pytest.mark.parametrize("value", [0.1, 1 / 3, -2.7, 1e-9, 1e6])
+def test_edge_constant_population_gives_exact_zeros(value):
+    # A float32 sum of N copies of 0.1 is an ulp off N * 0.1; the floor 1e-8 would scale that up to ~1e-4.
+    for n in (7, 10, 1000):
+        out, _, var, _ = global_masked_normalize(torch.full((n, 3), value), torch.ones(n, 3))
+        assert torch.equal(out, torch.zeros(n, 3)) and var.item() == 0.0
+    assert torch.equal(trl_rpp.group_centered_rewards(torch.full((16,), value), 8), torch.zeros(16))
+
+
 def test_edge_all_zero_baseline_group_gives_zeros():
     adv = group_mean_advantages(torch.zeros(8), torch.ones(8, 5), 8)
     out, _, _, _ = global_masked_normalize(adv, torch.ones(8, 5))

@@ -12,7 +12,7 @@ KL_LOSS_TYPES = ("k1", "k2")
 
 # Per-estimator defaults of `reinforce_pp_semantics.txt` for the fields left at `None`.
 _RECIPES = {
-    "reinforce_plus_plus": dict(kl_coef=0.01, use_kl_loss=False, kl_loss_type="k2", kl_loss_coef=0.0),
+    "reinforce_plus_plus": dict(kl_coef=0.01, use_kl_loss=False, kl_loss_type="k1", kl_loss_coef=0.0),
     "reinforce_plus_plus_baseline": dict(kl_coef=0.0, use_kl_loss=True, kl_loss_type="k2", kl_loss_coef=0.01),
 }
 
@@ -60,7 +60,9 @@ class RPPConfig(GRPOConfig):
             with k1 reward shaping (`kl_coef > 0`), which would count the KL twice.
         kl_loss_type (`str`, *optional*):
             Estimator of the separate KL loss: `"k1"` (`log pi - log pi_ref`) or `"k2"`
-            (`0.5 * (log pi - log pi_ref)^2`). Defaults to `"k2"`; the baseline accepts only `"k2"`.
+            (`0.5 * (log pi - log pi_ref)^2`). Defaults to the spec's recipe: `"k1"` for `"reinforce_plus_plus"` (the
+            estimator of its reward shaping; it only matters if the KL loss is turned on instead) and `"k2"` for
+            `"reinforce_plus_plus_baseline"`, which accepts only `"k2"`.
         kl_loss_coef (`float`, *optional*):
             Coefficient of the separate KL loss. Defaults to `0.01` for `"reinforce_plus_plus_baseline"` and `0.0`
             for `"reinforce_plus_plus"`, or `0.01` there too when `use_kl_loss=True`. Must be `>= 0`.
@@ -105,7 +107,9 @@ class RPPConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Estimator of the separate KL loss: k1 (log pi - log pi_ref) or k2 (0.5 * (log pi - log "
-            "pi_ref)^2). Defaults to k2; the baseline accepts only k2.",
+            "pi_ref)^2). Defaults to the spec's recipe: k1 for reinforce_plus_plus (the estimator of its reward "
+            "shaping; it only matters if the KL loss is turned on instead) and k2 for reinforce_plus_plus_baseline, "
+            "which accepts only k2.",
             "choices": list(KL_LOSS_TYPES),
         },
     )

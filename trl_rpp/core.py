@@ -173,13 +173,14 @@ def group_centered_rewards(
     acc = _accum_dtype(rewards.dtype)
     grouped = rewards.to(acc).view(-1, num_generations)
     if scorable is None:
-        centered = grouped - grouped.mean(dim=1, keepdim=True)
-        return centered.view(B)
-    ok = scorable.to(torch.bool).view(-1, num_generations)
+        ok = torch.ones_like(grouped, dtype=torch.bool)
+    else:
+        ok = scorable.to(torch.bool).view(-1, num_generations)
     zero = torch.zeros((), dtype=acc, device=rewards.device)
     safe = torch.where(ok, grouped, zero)
-    count = ok.sum(dim=1, keepdim=True).clamp(min=1).to(acc)
-    baseline = safe.sum(dim=1, keepdim=True) / count
+    # Mean in float64: a group of equal rewards then has a baseline equal to that reward and C_i == 0 exactly.
+    count = ok.sum(dim=1, keepdim=True).clamp(min=1).to(torch.float64)
+    baseline = (safe.to(torch.float64).sum(dim=1, keepdim=True) / count).to(acc)
     return torch.where(ok, safe - baseline, zero).view(B)
 
 
@@ -225,8 +226,8 @@ def global_masked_normalize(
     Nothing is moved to the host: an empty global population fails through ``torch._assert_async`` on every
     process (a ``RuntimeError`` on CPU, a device-side assert on CUDA).
 
-    Local sums are accumulated in at least float32 (float64 for float64 input); the all-reduced sums and the
-    token count travel in float64 so that the count is exact far past 2**24 tokens.
+    Values are centered in at least float32 (float64 for float64 input); both sums, the all-reduce and the token
+    count are in float64, so the count is exact far past 2**24 tokens and a constant population gives exact zeros.
 
     Args:
         values: ``[B, T]`` raw advantages (any float dtype; ``B`` may be 0).
@@ -247,7 +248,9 @@ def global_masked_normalize(
     pg = _resolve_group(group)
 
     x = torch.where(m, values.to(acc), zero)
-    first = torch.stack([x.sum().to(torch.float64), m.sum().to(torch.float64)])
+    # The sum is taken in float64 so that a constant population has a mean equal to that constant, bit for bit,
+    # and zero variance then gives exact zeros (a float32 sum of N copies of 0.1 is off by an ulp).
+    first = torch.stack([x.to(torch.float64).sum(), m.sum().to(torch.float64)])
     if pg is not None:
         dist.all_reduce(first, op=dist.ReduceOp.SUM, group=pg)
     count = first[1]
@@ -255,7 +258,7 @@ def global_masked_normalize(
     mean = (first[0] / count.clamp(min=1)).to(acc)
 
     centered = torch.where(m, x - mean, zero)
-    second = (centered * centered).sum().to(torch.float64).reshape(1)
+    second = centered.to(torch.float64).square().sum().reshape(1)
     if pg is not None:
         dist.all_reduce(second, op=dist.ReduceOp.SUM, group=pg)
     var = (second[0] / count.clamp(min=1)).to(acc)
