@@ -1,0 +1,139 @@
+"""Step time and peak memory of RPPTrainer against trl.GRPOTrainer, side by side in one run.
+
+    python benchmarks/step_time.py                 # both estimators vs GRPO (beta=0.04), tiny model
+    python benchmarks/step_time.py --rounds 6 --steps 8 --threads 1
+
+Both arms train the same tiny local model with the same batch, generations, completion length and learning rate.
+GRPO runs with beta > 0 so that it, too, loads and runs a reference model. Arms alternate within one process
+(round-robin, `--rounds` x `--steps` optimizer steps each) so that machine noise hits them alike; the first step of
+every round is dropped as warm-up. Step time is measured between `on_step_begin` and `on_step_end`, i.e. the
+generation, scoring, extra log-prob passes, loss and optimizer step of that step. Peak memory is each arm's peak
+resident set size, measured in a separate child process per arm (CPU has no per-allocation high-water mark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
+from trl_rpp.tiny import build_tiny_model, copy_first_char_reward, copy_task_dataset  # noqa: E402
+
+ARMS = {
+    "grpo_beta0.04": (GRPOTrainer, GRPOConfig, dict(beta=0.04)),
+    "rpp_reinforce_plus_plus": (RPPTrainer, RPPConfig, dict(advantage_estimator="reinforce_plus_plus")),
+    "rpp_baseline": (RPPTrainer, RPPConfig, dict(advantage_estimator="reinforce_plus_plus_baseline")),
+}
+
+
+class StepTimer(TrainerCallback):
+    def __init__(self):
+        self.times, self._t = [], None
+
+    def on_step_begin(self, args, state, control, **kw):
+        self._t = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.times.append(time.perf_counter() - self._t)
+
+
+def make_trainer(arm, model_path, opts, outdir):
+    trainer_cls, config_cls, extra = ARMS[arm]
+    args = config_cls(
+        output_dir=os.path.join(outdir, arm),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=opts.batch,
+        num_generations=opts.num_generations,
+        max_completion_length=opts.completion_length,
+        max_steps=opts.steps,
+        learning_rate=1e-4,
+        save_strategy="no",
+        logging_steps=10**6,
+        disable_dropout=True,
+        seed=0,
+        # Every completion has the full length, so arms never differ by how much they happened to generate.
+        generation_kwargs={"min_new_tokens": opts.completion_length},
+        **extra,
+    )
+    timer = StepTimer()
+    trainer = trainer_cls(
+        model=model_path,
+        reward_funcs=copy_first_char_reward,
+        args=args,
+        train_dataset=copy_task_dataset(100000),
+        callbacks=[timer],
+    )
+    return trainer, timer
+
+
+def child_peak(arm, model_path, opts):
+    """Peak RSS (MiB) of a fresh process that builds the arm and trains --steps steps."""
+    cmd = [sys.executable, __file__, "--child", arm, "--model", model_path, "--steps", str(opts.steps)]
+    cmd += ["--batch", str(opts.batch), "--num_generations", str(opts.num_generations)]
+    cmd += ["--completion_length", str(opts.completion_length), "--threads", str(opts.threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_rss_mib"]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--num_generations", type=int, default=8)
+    p.add_argument("--completion_length", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--model", default=None)
+    p.add_argument("--child", default=None)
+    opts = p.parse_args()
+    torch.set_num_threads(opts.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = opts.model or build_tiny_model(os.path.join(tmp, "model"), hidden_size=opts.hidden, num_layers=4)
+        if opts.child:
+            trainer, _ = make_trainer(opts.child, model_path, opts, tmp)
+            trainer.train()
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(json.dumps({"peak_rss_mib": peak}))
+            return
+
+        trainers = {arm: make_trainer(arm, model_path, opts, tmp) for arm in ARMS}
+        for _ in range(opts.rounds):
+            for arm, (trainer, timer) in trainers.items():
+                before = len(timer.times)
+                trainer.train()
+                del timer.times[before]  # warm-up step of this round
+        medians = {arm: statistics.median(timer.times) for arm, (_, timer) in trainers.items()}
+        peaks = {arm: child_peak(arm, model_path, opts) for arm in ARMS}
+
+    base = medians["grpo_beta0.04"]
+    print(f"tiny Llama hidden={opts.hidden} x4 layers, batch {opts.batch} = {opts.batch // opts.num_generations} prompts x "
+          f"{opts.num_generations}, completion <= {opts.completion_length}, threads {opts.threads}, "
+          f"{opts.rounds} rounds x {opts.steps - 1} timed steps per arm\n")
+    print("| arm | median step (s) | ratio vs GRPO | peak RSS (MiB) |")
+    print("|---|---|---|---|")
+    for arm in ARMS:
+        print(f"| {arm} | {medians[arm]:.4f} | {medians[arm] / base:.3f} | {peaks[arm]:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
