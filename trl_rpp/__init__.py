@@ -10,6 +10,9 @@ from .core import (
     reinforce_pp_returns,
     response_mean_k2_loss,
     response_mean_ppo_loss,
+    score_centered_ppo_loss,
+    score_centering_coefficients,
+    score_centering_correction,
 )
 
 __version__ = "0.1.0"
@@ -24,6 +27,9 @@ __all__ = [
     "reinforce_pp_returns",
     "response_mean_k2_loss",
     "response_mean_ppo_loss",
+    "score_centered_ppo_loss",
+    "score_centering_coefficients",
+    "score_centering_correction",
 ]
 
 from .config import RPPConfig  # noqa: E402

@@ -66,6 +66,18 @@ class RPPConfig(GRPOConfig):
         kl_loss_coef (`float`, *optional*):
             Coefficient of the separate KL loss. Defaults to `0.01` for `"reinforce_plus_plus_baseline"` and `0.0`
             for `"reinforce_plus_plus"`, or `0.01` there too when `use_kl_loss=True`. Must be `>= 0`.
+
+        > Parameters that control score centering
+
+        score_centering (`bool`, *optional*, defaults to `False`):
+            Whether to center the score of every valid token with the sampler's top-k distribution (Marek & Ryabinin,
+            arXiv:2609.20807), removing the drift that a sampler/trainer mismatch adds to the update. The top-k ids
+            and log-probs are recorded during generation. Requires a sampler that draws from the full-vocabulary
+            softmax at `temperature`: `top_p < 1`, `top_k > 0`, `min_p > 0`, `repetition_penalty != 1` and other
+            distribution-changing generation settings are rejected.
+        score_centering_top_k (`int`, *optional*, defaults to `32`):
+            Size `k` of the sampler's head recorded per generated token (memory `O(B * T * k)`). `k = 32` matches the
+            exact correction in the published measurements.
     """
 
     advantage_estimator: str = field(
@@ -121,6 +133,19 @@ class RPPConfig(GRPOConfig):
         },
     )
 
+    score_centering: bool = field(
+        default=False,
+        metadata={
+            "help": "Whether to center the score of every valid token with the sampler's top-k distribution (Marek & "
+            "Ryabinin, arXiv:2609.20807), removing the drift that a sampler/trainer mismatch adds to the update. "
+            "Requires a sampler that draws from the full-vocabulary softmax at `temperature`."
+        },
+    )
+    score_centering_top_k: int = field(
+        default=32,
+        metadata={"help": "Size k of the sampler's head recorded per generated token (memory O(B * T * k))."},
+    )
+
     # GRPO fields whose default differs here.
     loss_type: str = field(
         default="grpo",
@@ -138,6 +163,24 @@ class RPPConfig(GRPOConfig):
         # Everything is checked before GRPOConfig.__post_init__ sets up devices, so a wrong config costs nothing.
         self._resolve_and_validate()
         super().__post_init__()
+        if self.score_centering:  # after GRPOConfig has parsed `generation_kwargs` from the command line
+            self._validate_score_centering()
+
+    def _validate_score_centering(self):
+        from .sampling import check_exact_sampling
+
+        if isinstance(self.score_centering_top_k, bool) or not isinstance(self.score_centering_top_k, int) or (
+            self.score_centering_top_k < 1
+        ):
+            raise ValueError(f"score_centering_top_k={self.score_centering_top_k!r} is not supported; accepted: an integer >= 1.")
+        settings = dict(top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty)
+        check_exact_sampling(settings, self.temperature, where="")
+        check_exact_sampling(dict(self.generation_kwargs or {}), self.temperature, where="generation_kwargs: ")
+        if self.use_transformers_continuous_batching:
+            raise ValueError(
+                "use_transformers_continuous_batching=True is not supported with score_centering=True; accepted: "
+                "False. The sampler's top-k log-probs are captured in transformers' `generate`."
+            )
 
     def _resolve_and_validate(self):
         if self.advantage_estimator not in ESTIMATORS:

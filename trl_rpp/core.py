@@ -27,6 +27,9 @@ __all__ = [
     "masked_response_mean",
     "response_mean_ppo_loss",
     "response_mean_k2_loss",
+    "score_centering_coefficients",
+    "score_centering_correction",
+    "score_centered_ppo_loss",
 ]
 
 
@@ -328,3 +331,117 @@ def response_mean_k2_loss(logps: torch.Tensor, ref_logps: torch.Tensor, mask: to
         0-dim ``(1/B) sum_i (1/max(L_i,1)) sum_t m 0.5 (logps - ref)^2``.
     """
     return masked_response_mean(kl_k2(logps, ref_logps, mask), mask)
+
+
+def score_centering_coefficients(
+    head_logps: torch.Tensor,
+    sampler_head_logps: torch.Tensor,
+    mask: torch.Tensor,
+    min_tail_mass: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Coefficients ``q_v - rho p_v`` of the top-k score-centering correction, and the two head masses.
+
+    ``rho = (1 - sum_H q) / (1 - sum_H p)``. Everything is computed in float64 from detached inputs. Tail-mass clamp:
+    the sampler's tail ``1 - sum_H q`` is clamped at 0 (rounding can push it slightly negative) and the trainer's at
+    ``min_tail_mass``, so a head that holds (nearly) all of the trainer's mass gives a finite ``rho``, never NaN or
+    Inf.
+
+    Args:
+        head_logps: ``[B, T, k]`` trainer log-probs at the sampler's head ids.
+        sampler_head_logps: ``[B, T, k]`` the sampler's log-probs of those ids; ``-inf`` marks an absent entry.
+        mask: ``[B, T]`` bool or 0/1.
+        min_tail_mass: lower bound of the trainer's tail mass ``1 - sum_H p``.
+
+    Returns:
+        ``(coeff [B, T, k], sampler_head_mass [B, T], trainer_head_mass [B, T])``, float64, zero where masked or absent.
+    """
+    if head_logps.shape != sampler_head_logps.shape or head_logps.dim() != 3:
+        raise ValueError(
+            f"head_logps and sampler_head_logps must both be [B, T, k], got {tuple(head_logps.shape)} and "
+            f"{tuple(sampler_head_logps.shape)}"
+        )
+    m = _as_bool_mask(mask)
+    # An entry counts when its token position is valid and the sampler reported it (-inf = absent).
+    present = m.unsqueeze(-1) & (sampler_head_logps > float("-inf")) & ~torch.isnan(sampler_head_logps)
+    zero64 = torch.zeros((), dtype=torch.float64, device=head_logps.device)
+    q = torch.where(present, sampler_head_logps.detach().to(torch.float64), -torch.inf).exp()
+    p = torch.where(present, head_logps.detach().to(torch.float64), -torch.inf).exp()
+    q_mass, p_mass = q.sum(-1), p.sum(-1)
+    rho = (1.0 - q_mass).clamp(min=0.0) / (1.0 - p_mass).clamp(min=min_tail_mass)
+    coeff = torch.where(present, q - rho.unsqueeze(-1) * p, zero64)
+    return coeff, torch.where(m, q_mass, zero64), torch.where(m, p_mass, zero64)
+
+
+def score_centering_correction(
+    head_logps: torch.Tensor,
+    sampler_head_logps: torch.Tensor,
+    mask: torch.Tensor,
+    min_tail_mass: float = 1e-6,
+) -> torch.Tensor:
+    """Top-k score-centering term ``sum_{v in H} sg[q_v - rho p_v] log p_v`` (`score_centering.txt`).
+
+    ``H`` is the sampler's head (its top-k token ids at a position), ``q`` the sampler's probabilities and ``p``
+    the trainer's, and ``rho = (1 - sum_H q) / (1 - sum_H p)`` rescales the trainer's tail to the sampler's tail
+    mass. Subtracting this term's gradient from the sampled token's score removes the drift
+    ``E_q[R] * E_q[grad log p]``: the gradient of ``-A * (log p_y - correction)`` with respect to the logits is
+    ``-A * (e_y - q_hat)`` with ``q_hat = q`` on ``H`` and ``rho * p`` elsewhere.
+
+    The coefficients come from `score_centering_coefficients` (float64, no gradient, documented tail clamp); only
+    ``head_logps`` carries the gradient.
+
+    Args:
+        head_logps: ``[B, T, k]`` trainer log-probs at the sampler's head ids (same temperature); carry the gradient.
+        sampler_head_logps: ``[B, T, k]`` the sampler's log-probs of those ids; ``-inf`` marks an absent entry.
+        mask: ``[B, T]`` bool or 0/1.
+        min_tail_mass: lower bound of the trainer's tail mass ``1 - sum_H p``.
+
+    Returns:
+        ``[B, T]`` correction, zero outside the mask (in ``head_logps``' dtype, at least float32).
+    """
+    coeff, _, _ = score_centering_coefficients(head_logps, sampler_head_logps, mask, min_tail_mass)
+    acc = _accum_dtype(head_logps.dtype)
+    zero = torch.zeros((), dtype=acc, device=head_logps.device)
+    present = coeff != 0
+    logp = torch.where(present, head_logps.to(acc), zero)
+    correction = (coeff.to(acc) * logp).sum(-1)
+    return torch.where(_as_bool_mask(mask), correction, zero)
+
+
+def score_centered_ppo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    head_logps: torch.Tensor,
+    sampler_head_logps: torch.Tensor,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    min_tail_mass: float = 1e-6,
+) -> torch.Tensor:
+    """`response_mean_ppo_loss` with the score of every valid token centered (score_centering.txt).
+
+    The clipped surrogate's gradient at a token is ``-A * w * grad log p_y`` with ``w = rho_t`` when the unclipped
+    branch is active and ``w = 0`` when the clipped one is. The centered loss adds ``sg[A * w] * correction``, so the
+    gradient becomes ``-A * w * (grad log p_y - sum_H (q_v - rho p_v) grad log p_v)``: the weight that is actually
+    applied to the token multiplies the centered score, and a clipped token stays without gradient.
+
+    Args:
+        logps, old_logps, advantages, mask: as in `response_mean_ppo_loss` (``[B, T]``).
+        head_logps: ``[B, T, k]`` current-policy log-probs at the sampler's head ids (carry the gradient).
+        sampler_head_logps: ``[B, T, k]`` the sampler's log-probs of those ids, ``-inf`` for absent entries.
+        epsilon_low, epsilon_high, min_tail_mass: see `response_mean_ppo_loss` and `score_centering_correction`.
+
+    Returns:
+        0-dim loss.
+    """
+    m = _as_bool_mask(mask)
+    zero = _zero(logps)
+    ratio = torch.exp(torch.where(m, logps - old_logps, zero))
+    adv = torch.where(m, advantages.to(logps.dtype), zero)
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    unclipped_loss, clipped_loss = -ratio * adv, -clipped * adv
+    token_loss = torch.maximum(unclipped_loss, clipped_loss)
+    weight = torch.where(unclipped_loss >= clipped_loss, ratio, zero).detach()
+    correction = score_centering_correction(head_logps, sampler_head_logps, m, min_tail_mass).to(logps.dtype)
+    token_loss = token_loss + (adv * weight) * correction
+    return masked_response_mean(token_loss, m)

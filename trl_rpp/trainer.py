@@ -17,7 +17,10 @@ from .core import (
     reinforce_pp_returns,
     response_mean_k2_loss,
     response_mean_ppo_loss,
+    score_centered_ppo_loss,
+    score_centering_coefficients,
 )
+from .sampling import SamplerTopKCapture, capturing_generate, check_exact_sampling
 
 # Optional per-batch model inputs (multimodal models) that TRL forwards to `_get_per_token_logps_and_entropies`.
 _FORWARD_KEYS = (
@@ -57,6 +60,11 @@ class RPPTrainer(GRPOTrainer):
     4. **Metrics.** `advantages/*`, `returns/*`, `ref_kl/k1_mean`, `ppo_kl`, `kl_loss`, `policy_loss`, reduced across
        processes (see `docs/metrics.md`), next to GRPO's own.
     5. **Model card.** Named "REINFORCE++" with the REINFORCE++ citation and tags.
+    6. **Score centering** (`score_centering=True`, off by default). The top-k ids and log-probs of the sampling
+       distribution are recorded inside transformers' `generate` (`trl_rpp.sampling`), and the loss becomes
+       `score_centered_ppo_loss`: the same clipped surrogate with every valid token's score centered. The loss
+       forward then materializes the completion logits (to read the trainer's log-probs at the sampler's head ids)
+       instead of GRPO's fused log-prob head. Extra metrics: `score_centering/*`.
     """
 
     _tag_names = ["trl", "rpp", "reinforce-plus-plus"]
@@ -90,6 +98,28 @@ class RPPTrainer(GRPOTrainer):
             args.beta = 0.0
         self.beta = 0.0
         self._rpp_rewards_per_func = None
+        self._rpp_capture = None
+        if args.score_centering:
+            self._check_score_centering_setup()
+
+    def _check_score_centering_setup(self):
+        unsupported = [
+            ("tools", bool(self.tools)),
+            ("environment_factory", self.environment_factories is not None),
+            ("rollout_func", self.rollout_func is not None),
+            ("a multimodal processing_class", self._is_vlm),
+            ("an MoE router aux loss", self.aux_loss_enabled),
+        ]
+        for name, present in unsupported:
+            if present:
+                raise ValueError(
+                    f"score_centering=True does not support {name}: the sampler's top-k log-probs are captured "
+                    "token by token inside a single text `generate` call."
+                )
+        # The model's own generation config also shapes q: check what `generate` will actually use.
+        model = self.accelerator.unwrap_model(self.model)
+        merged = {**model.generation_config.to_dict(), **self.generation_kwargs}
+        check_exact_sampling(merged, self.temperature, where="the model's generation config: ")
 
     # ------------------------------------------------------------------------------------------------------------
     # Generation: raw rewards -> [B, T] advantages
@@ -100,6 +130,15 @@ class RPPTrainer(GRPOTrainer):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._rpp_rewards_per_func = rewards_per_func
         return rewards_per_func
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        if not self.args.score_centering:
+            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        capture = SamplerTopKCapture(self.args.score_centering_top_k, self.temperature)
+        with capturing_generate(self.accelerator.unwrap_model(self.model_wrapped), capture):
+            out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        self._rpp_capture = capture
+        return out
 
     def _forward_logps(self, model, batch, **extra):
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -150,6 +189,11 @@ class RPPTrainer(GRPOTrainer):
 
         advantages, raw_mean, raw_var, count = global_masked_normalize(raw, mask)
         batch["advantages"] = advantages
+        if args.score_centering:
+            capture, self._rpp_capture = self._rpp_capture, None
+            ids, logps, sampled = capture.tensors(batch["completion_ids"].size(1))
+            batch["sampler_head_ids"], batch["sampler_head_logps"] = ids.to(device), logps.to(device)
+            batch["sampler_per_token_logps"] = sampled.to(device)
         self._log_advantage_metrics(mode, raw, advantages, mask, raw_mean, raw_var, count, batch)
         return batch
 
@@ -203,15 +247,27 @@ class RPPTrainer(GRPOTrainer):
         mask = inputs["completion_mask"].bool()
         if "tool_mask" in inputs:
             mask = mask & inputs["tool_mask"].bool()
-        logps, entropies, aux_loss = self._forward_logps(
-            model, inputs, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
-        )
+        if args.score_centering:
+            logps, entropies, head_logps = self._forward_with_head(model, inputs)
+            aux_loss = None
+        else:
+            logps, entropies, aux_loss = self._forward_logps(
+                model, inputs, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
+            )
         old_logps = inputs.get("old_per_token_logps")
         # Without a stored pi_old, generation and optimisation are aligned and pi_old == pi_theta (as in GRPO).
         old_logps = logps.detach() if old_logps is None else old_logps
         advantages = inputs["advantages"]
 
-        policy_loss = response_mean_ppo_loss(logps, old_logps, advantages, mask, self.epsilon_low, self.epsilon_high)
+        if args.score_centering:
+            policy_loss = score_centered_ppo_loss(
+                logps, old_logps, advantages, mask, head_logps, inputs["sampler_head_logps"],
+                self.epsilon_low, self.epsilon_high,
+            )
+        else:
+            policy_loss = response_mean_ppo_loss(
+                logps, old_logps, advantages, mask, self.epsilon_low, self.epsilon_high
+            )
         loss = policy_loss
         kl_loss = None
         if args.use_kl_loss:
@@ -244,10 +300,13 @@ class RPPTrainer(GRPOTrainer):
             ]
             if self.aux_loss_enabled:
                 local.append(aux_loss.detach().float())
+            if args.score_centering:
+                local.extend(self._score_centering_stats(logps, head_logps, inputs, mask))
             stats = self.accelerator.gather(torch.stack(local).unsqueeze(0)).view(-1, len(local))
             sums = stats[:, :5].sum(dim=0)
-            means = stats[:, 5:].mean(dim=0)  # equal B per process, so the mean of response means is global
-            values = torch.cat([sums, means]).tolist()
+            means = stats[:, 5:8 + int(self.aux_loss_enabled)].mean(dim=0)  # equal B per process: global mean
+            extra = stats[:, 8 + int(self.aux_loss_enabled):].sum(dim=0)
+            values = torch.cat([sums, means, extra]).tolist()
         n = max(values[0], 1.0)
         m = self._metrics[mode]
         m["entropy"].append(values[1] / n)
@@ -260,4 +319,39 @@ class RPPTrainer(GRPOTrainer):
             m["kl_loss"].append(values[7])
         if self.aux_loss_enabled:
             m["aux_loss"].append(values[8])
+        if args.score_centering:
+            q_mass, p_mass, coeff_l1, diff, n_sampled = values[-5:]
+            m["score_centering/sampler_head_mass"].append(q_mass / n)
+            m["score_centering/trainer_head_mass"].append(p_mass / n)
+            m["score_centering/coeff_l1"].append(coeff_l1 / n)
+            m["score_centering/sampler_logp_abs_diff"].append(diff / max(n_sampled, 1.0))
         return loss
+
+    def _forward_with_head(self, model, inputs):
+        """Log-probs of the sampled tokens, entropies, and log-probs at the sampler's head ids, ``[B, T]``, ``[B, T]``,
+        ``[B, T, k]``, at the sampling temperature, from one forward that keeps the completion logits."""
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        T = inputs["completion_ids"].size(1)
+        with self.accelerator.autocast():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1).logits
+        logp_all = torch.log_softmax(logits[:, -T - 1 : -1].float() / self.temperature, dim=-1)
+        logps = logp_all.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+        head_logps = logp_all.gather(-1, inputs["sampler_head_ids"])
+        probs = logp_all.exp()
+        entropies = -torch.where(probs > 0, probs * logp_all, torch.zeros((), device=probs.device)).sum(-1)
+        return logps, entropies, head_logps
+
+    @staticmethod
+    def _score_centering_stats(logps, head_logps, inputs, mask):
+        coeff, q_mass, p_mass = score_centering_coefficients(head_logps, inputs["sampler_head_logps"], mask)
+        sampled = inputs["sampler_per_token_logps"]
+        has = mask & torch.isfinite(sampled)
+        diff = torch.where(has, (sampled - logps.detach()).abs(), torch.zeros((), device=logps.device))
+        return [
+            q_mass.sum().float(),
+            p_mass.sum().float(),
+            coeff.abs().sum().float(),
+            diff.sum().float(),
+            has.sum().float(),
+        ]

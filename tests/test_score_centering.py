@@ -1,0 +1,211 @@
+"""score_centering_correction: the gradient identity of score_centering.txt, checked against full-vocabulary math."""
+
+import math
+
+import pytest
+import torch
+
+from trl_rpp import score_centering_correction
+
+
+def ref_correction(head_logps, sampler_head_logps, mask, min_tail_mass=1e-6):
+    """Plain-loop float64 reference of sum_H (q_v - rho p_v) log p_v, rho = (1 - sum_H q) / (1 - sum_H p)."""
+    out = []
+    for b, row in enumerate(mask):
+        out_row = []
+        for t, m in enumerate(row):
+            if not m:
+                out_row.append(0.0)
+                continue
+            entries = [
+                (lp, lq) for lp, lq in zip(head_logps[b][t], sampler_head_logps[b][t]) if lq != -math.inf and lq == lq
+            ]
+            sq = math.fsum(math.exp(lq) for _, lq in entries)
+            sp = math.fsum(math.exp(lp) for lp, _ in entries)
+            rho = max(1.0 - sq, 0.0) / max(1.0 - sp, min_tail_mass)
+            out_row.append(math.fsum((math.exp(lq) - rho * math.exp(lp)) * lp for lp, lq in entries))
+        out.append(out_row)
+    return out
+
+
+def centered_loss_and_logits_grad(z, zq, y, A, k):
+    """-A (log p_y - correction) for one position with trainer logits z [V] and sampler logits zq [V]."""
+    z = z.clone().requires_grad_(True)
+    logp = torch.log_softmax(z, -1)
+    logq = torch.log_softmax(zq, -1)
+    head = torch.topk(logq, k).indices
+    corr = score_centering_correction(logp[head].view(1, 1, k), logq[head].view(1, 1, k), torch.ones(1, 1))
+    loss = -A * (logp[y] - corr[0, 0])
+    loss.backward()
+    return z.grad, head
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_gradient_is_minus_A_times_e_y_minus_q_hat(seed, k):
+    g = torch.Generator().manual_seed(seed)
+    V = 40
+    z = torch.randn(V, generator=g, dtype=torch.float64) * 2
+    zq = z + 0.3 * torch.randn(V, generator=g, dtype=torch.float64)  # a perturbed sampler
+    y, A = int(torch.randint(V, (1,), generator=g)), 1.7
+    grad, head = centered_loss_and_logits_grad(z, zq, y, A, k)
+    p, q = torch.softmax(z, -1), torch.softmax(zq, -1)
+    in_head = torch.zeros(V, dtype=torch.bool)
+    in_head[head] = True
+    rho = (1 - q[in_head].sum()) / (1 - p[in_head].sum())
+    q_hat = torch.where(in_head, q, rho * p)
+    e_y = torch.zeros(V, dtype=torch.float64)
+    e_y[y] = 1.0
+    torch.testing.assert_close(grad, -A * (e_y - q_hat), rtol=1e-10, atol=1e-12)
+    assert abs(q_hat.sum().item() - 1.0) < 1e-12  # q_hat is a distribution
+
+
+def test_on_a_tiny_model_in_float64(tmp_path):
+    """Same identity through a real (tiny, float64) transformer's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_rpp.tiny import build_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"), dtype=torch.float64)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    logits = model(input_ids=ids).logits[0, -1]
+    logits.retain_grad()
+    sampler_logits = (logits.detach() + 0.05 * torch.randn_like(logits)).double()
+    logp, logq = torch.log_softmax(logits, -1), torch.log_softmax(sampler_logits, -1)
+    k, y, A = 8, 11, -0.6
+    head = torch.topk(logq, k).indices
+    corr = score_centering_correction(logp[head].view(1, 1, k), logq[head].view(1, 1, k), torch.ones(1, 1))
+    (-A * (logp[y] - corr[0, 0])).backward()
+    p, q = logp.detach().exp(), logq.exp()
+    in_head = torch.zeros_like(p, dtype=torch.bool)
+    in_head[head] = True
+    rho = (1 - q[in_head].sum()) / (1 - p[in_head].sum())
+    q_hat = torch.where(in_head, q, rho * p)
+    e_y = torch.zeros_like(p)
+    e_y[y] = 1
+    torch.testing.assert_close(logits.grad, -A * (e_y - q_hat), rtol=1e-9, atol=1e-12)
+
+
+def test_full_vocabulary_head_gives_the_exact_expected_score():
+    # k = V: rho = 0 and the correction's gradient is E_q[grad log p] = sum_v q_v (e_v - p) = q - p exactly.
+    g = torch.Generator().manual_seed(0)
+    V = 30
+    z = torch.randn(V, generator=g, dtype=torch.float64).requires_grad_(True)
+    zq = torch.randn(V, generator=g, dtype=torch.float64)
+    logp, logq = torch.log_softmax(z, -1), torch.log_softmax(zq, -1)
+    ids = torch.arange(V)
+    score_centering_correction(logp[ids].view(1, 1, V), logq[ids].view(1, 1, V), torch.ones(1, 1)).sum().backward()
+    torch.testing.assert_close(z.grad, torch.softmax(zq, -1) - torch.softmax(z.detach(), -1), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("k", [1, 5, 30])
+def test_q_equal_p_gives_zero_correction_gradient(k):
+    # On policy: q = p, so rho = 1 and every coefficient q_v - p_v is 0: the loss is plain REINFORCE.
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(30, generator=g, dtype=torch.float64)
+    grad, _ = centered_loss_and_logits_grad(z, z.clone(), y=3, A=2.0, k=k)
+    e_y = torch.zeros(30, dtype=torch.float64)
+    e_y[3] = 1
+    torch.testing.assert_close(grad, -2.0 * (e_y - torch.softmax(z, -1)), rtol=1e-10, atol=1e-12)
+
+
+def test_absent_entries_change_nothing_and_masked_positions_are_ignored():
+    g = torch.Generator().manual_seed(2)
+    B, T, k, V = 3, 5, 4, 20
+    z = torch.randn(B, T, V, generator=g, dtype=torch.float64)
+    zq = z + 0.2 * torch.randn(B, T, V, generator=g, dtype=torch.float64)
+    logp, logq = torch.log_softmax(z, -1), torch.log_softmax(zq, -1)
+    head = torch.topk(logq, k).indices
+    lp, lq = logp.gather(-1, head), logq.gather(-1, head)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    base = score_centering_correction(lp, lq, mask)
+    # Two extra absent entries (-inf) with arbitrary trainer log-probs: nothing changes.
+    lp2 = torch.cat([lp, torch.full((B, T, 2), -3.0, dtype=torch.float64)], -1)
+    lq2 = torch.cat([lq, torch.full((B, T, 2), -math.inf, dtype=torch.float64)], -1)
+    assert torch.equal(score_centering_correction(lp2, lq2, mask), base)
+    # NaN / Inf stored at masked positions: same result, zero there, finite gradients.
+    lp3, lq3 = lp.clone(), lq.clone()
+    lp3[~mask.bool()] = float("nan")
+    lq3[~mask.bool()] = float("inf")
+    lp3.requires_grad_(True)
+    out = score_centering_correction(lp3, lq3, mask)
+    assert torch.equal(out.detach(), base)
+    assert torch.equal(out[~mask.bool()], torch.zeros_like(out[~mask.bool()]))
+    out.sum().backward()
+    assert torch.isfinite(lp3.grad).all()
+    want = ref_correction(lp.tolist(), lq.tolist(), mask.tolist())
+    torch.testing.assert_close(base, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+
+
+def test_near_zero_tail_stays_finite():
+    # The head holds all but 1e-13 of the trainer's mass: 1 - sum_H p is clamped, nothing is NaN or Inf.
+    V = 10
+    z = torch.full((V,), -40.0, dtype=torch.float64)
+    z[0] = 0.0
+    logp = torch.log_softmax(z, -1).requires_grad_(True)
+    logq = torch.log_softmax(z + torch.linspace(0, 1, V, dtype=torch.float64), -1)
+    out = score_centering_correction(logp[:1].view(1, 1, 1), logq[:1].view(1, 1, 1), torch.ones(1, 1))
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(logp.grad).all()
+    f32 = score_centering_correction(logp[:1].float().view(1, 1, 1), logq[:1].float().view(1, 1, 1), torch.ones(1, 1))
+    assert torch.isfinite(f32).all() and f32.dtype == torch.float32
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match=r"\[B, T, k\]"):
+        score_centering_correction(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3))
+
+
+def _ppo_centered_logits_grad(z, zq, old_logp_y, y, A, k, eps=0.2):
+    from trl_rpp import score_centered_ppo_loss
+
+    z = z.clone().requires_grad_(True)
+    logp, logq = torch.log_softmax(z, -1), torch.log_softmax(zq, -1)
+    head = torch.topk(logq, k).indices
+    loss = score_centered_ppo_loss(
+        logp[y].view(1, 1), torch.tensor([[old_logp_y]], dtype=torch.float64), torch.tensor([[A]], dtype=torch.float64),
+        torch.ones(1, 1), logp[head].view(1, 1, k), logq[head].view(1, 1, k), eps, eps,
+    )
+    loss.backward()
+    p, q = torch.softmax(z.detach(), -1), torch.softmax(zq, -1)
+    in_head = torch.zeros_like(p, dtype=torch.bool)
+    in_head[head] = True
+    rho = (1 - q[in_head].sum()) / (1 - p[in_head].sum())
+    q_hat = torch.where(in_head, q, rho * p)
+    e_y = torch.zeros_like(p)
+    e_y[y] = 1
+    return z.grad, e_y - q_hat, torch.exp(torch.log_softmax(z.detach(), -1)[y] - old_logp_y)
+
+
+@pytest.mark.parametrize("shift,A,clipped", [(0.1, 1.0, False), (-0.1, -1.0, False), (0.5, 1.0, True), (-0.5, -1.0, True)])
+def test_ppo_weight_multiplies_the_centered_score(shift, A, clipped):
+    """Unclipped token: grad = -A * ratio * (e_y - q_hat). Clipped token: no gradient at all, correction included."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(25, generator=g, dtype=torch.float64)
+    zq = z + 0.2 * torch.randn(25, generator=g, dtype=torch.float64)
+    y = 4
+    old = (torch.log_softmax(z, -1)[y] - shift).item()  # ratio = exp(shift)
+    grad, centered_score, ratio = _ppo_centered_logits_grad(z, zq, old, y, A, k=6)
+    if clipped:
+        assert torch.equal(grad, torch.zeros_like(grad))
+    else:
+        torch.testing.assert_close(grad, -A * ratio * centered_score, rtol=1e-10, atol=1e-12)
+
+
+def test_centered_ppo_equals_plain_ppo_on_policy():
+    from trl_rpp import response_mean_ppo_loss, score_centered_ppo_loss
+
+    g = torch.Generator().manual_seed(4)
+    B, T, V, k = 4, 6, 30, 5
+    z = torch.randn(B, T, V, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) < 0.8
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    logp_all = torch.log_softmax(z, -1)
+    logp = logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    old = logp.detach() + 0.05 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    head = torch.topk(logp_all.detach(), k).indices
+    centered = score_centered_ppo_loss(logp, old, adv, mask, logp_all.gather(-1, head), logp_all.detach().gather(-1, head))
+    (gc,) = torch.autograd.grad(centered, z, retain_graph=True)
+    (gp,) = torch.autograd.grad(response_mean_ppo_loss(logp, old, adv, mask), z)
+    torch.testing.assert_close(gc, gp, rtol=1e-10, atol=1e-13)

@@ -1,0 +1,127 @@
+"""Capture of the sampler's top-k log-probs during transformers `generate`, for score centering.
+
+Score centering needs, at every generated token, the top-k ids and log-probs of the distribution that actually drew
+that token: ``q = softmax(logits / temperature)`` over the full vocabulary. `output_scores` or `output_logits`
+would keep ``B * T * V`` floats (4.6 GiB at B=8, T=1024, V=152k); `SamplerTopKCapture` keeps ``B * T * k`` of each,
+plus the sampled token's log-prob.
+
+Where it sits: transformers runs custom logits processors *before* its sampling warpers (temperature, top-k,
+top-p, ...). With score centering every warper but temperature is rejected (`check_exact_sampling`), so the scores
+the capture sees are the raw logits (cast to float32 by `generate`) and it applies the temperature itself: exactly
+the distribution `generate` samples from. `tests/test_score_centering_trainer.py` checks this against a separate
+forward pass.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+# Generation settings that change q away from softmax(logits / temperature), with their neutral values.
+NEUTRAL_SAMPLING = {
+    "top_p": (None, 1.0),
+    "top_k": (None, 0),
+    "min_p": (None, 0.0),
+    "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "top_h": (None,),
+    "repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "encoder_no_repeat_ngram_size": (None, 0),
+    "bad_words_ids": (None,),
+    "force_words_ids": (None,),
+    "sequence_bias": (None,),
+    "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,),
+    "min_length": (None, 0),
+    "min_new_tokens": (None, 0),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "exponential_decay_length_penalty": (None,),
+    "guidance_scale": (None, 1.0),
+    "watermarking_config": (None,),
+    "renormalize_logits": (None, False),
+    "num_beams": (None, 1),
+    "diversity_penalty": (None, 0.0),
+    "do_sample": (True,),
+}
+
+
+def check_exact_sampling(settings: dict, temperature: float, where: str) -> None:
+    """Raise `ValueError` when a generation setting makes q differ from ``softmax(logits / temperature)``."""
+    for name, neutral in NEUTRAL_SAMPLING.items():
+        if name in settings and settings[name] not in neutral:
+            accepted = " or ".join(repr(v) for v in neutral)
+            raise ValueError(
+                f"{where}{name}={settings[name]!r} is not supported with score_centering=True; accepted: {accepted}. "
+                "Score centering assumes the sampler draws from the full-vocabulary softmax at the sampling "
+                "temperature, and this setting changes that distribution."
+            )
+    if settings.get("temperature", temperature) != temperature:
+        raise ValueError(
+            f"{where}temperature={settings['temperature']!r} differs from the trainer's temperature={temperature!r}; "
+            "with score_centering=True both must be the same so that q and p are taken at one temperature."
+        )
+
+
+class SamplerTopKCapture(LogitsProcessor):
+    """Records ``[B, k]`` top-k ids and log-probs of ``log_softmax(scores / temperature)`` at every step, and the
+    log-prob of the token each step sampled. Returns the scores unchanged."""
+
+    def __init__(self, k: int, temperature: float):
+        self.k, self.temperature = k, temperature
+        self.ids, self.logps, self.sampled = [], [], []
+        self._previous = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        logq = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        if self._previous is not None:  # the last column of input_ids is what the previous step sampled
+            self.sampled.append(self._previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        top = logq.topk(min(self.k, logq.size(-1)), dim=-1)
+        self.ids.append(top.indices)
+        self.logps.append(top.values)
+        self._previous = logq  # one [B, V] tensor, released at the next step
+        return scores
+
+    def finish(self, last_tokens: torch.LongTensor) -> None:
+        if self._previous is not None:
+            self.sampled.append(self._previous.gather(-1, last_tokens.unsqueeze(-1)).squeeze(-1))
+            self._previous = None
+
+    def tensors(self, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ids [B, length, k], logps [B, length, k], sampled_logps [B, length])``, cut or padded to ``length``
+        positions; padded entries have id 0 and log-prob ``-inf`` (absent)."""
+        if not self.ids:
+            raise RuntimeError("score centering: the sampler capture recorded no generation step")
+        ids, logps = torch.stack(self.ids, 1)[:, :length], torch.stack(self.logps, 1)[:, :length]
+        sampled = torch.stack(self.sampled, 1)[:, :length]
+        pad = length - ids.size(1)
+        if pad > 0:
+            ids = torch.nn.functional.pad(ids, (0, 0, 0, pad), value=0)
+            logps = torch.nn.functional.pad(logps, (0, 0, 0, pad), value=float("-inf"))
+            sampled = torch.nn.functional.pad(sampled, (0, pad), value=float("-inf"))
+        return ids, logps, sampled
+
+
+@contextmanager
+def capturing_generate(model, capture: SamplerTopKCapture):
+    """Within the block, ``model.generate`` also runs `capture` as its last custom logits processor."""
+    original = model.generate
+
+    def generate(*args, **kwargs):
+        processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
+        processors.append(capture)
+        out = original(*args, logits_processor=processors, **kwargs)
+        sequences = out if torch.is_tensor(out) else out.sequences
+        capture.finish(sequences[:, -1])
+        return out
+
+    model.generate = generate
+    try:
+        yield capture
+    finally:
+        del model.generate
