@@ -39,6 +39,11 @@ ARMS = {
     "grpo_beta0.04": (GRPOTrainer, GRPOConfig, dict(beta=0.04)),
     "rpp_reinforce_plus_plus": (RPPTrainer, RPPConfig, dict(advantage_estimator="reinforce_plus_plus")),
     "rpp_baseline": (RPPTrainer, RPPConfig, dict(advantage_estimator="reinforce_plus_plus_baseline")),
+    "rpp_baseline_score_centering": (
+        RPPTrainer,
+        RPPConfig,
+        dict(advantage_estimator="reinforce_plus_plus_baseline", score_centering=True, score_centering_top_k=32),
+    ),
 }
 
 
@@ -64,13 +69,13 @@ def make_trainer(arm, model_path, opts, outdir):
         num_generations=opts.num_generations,
         max_completion_length=opts.completion_length,
         max_steps=opts.steps,
-        learning_rate=1e-4,
+        # A negligible step size keeps the arms' policies (and so, with one seed, their samples and lengths)
+        # practically identical, so that no arm is timed on longer completions than another.
+        learning_rate=1e-7,
         save_strategy="no",
-        logging_steps=10**6,
+        logging_steps=1,
         disable_dropout=True,
         seed=0,
-        # Every completion has the full length, so arms never differ by how much they happened to generate.
-        generation_kwargs={"min_new_tokens": opts.completion_length},
         **extra,
     )
     timer = StepTimer()
@@ -125,14 +130,24 @@ def main():
         medians = {arm: statistics.median(timer.times) for arm, (_, timer) in trainers.items()}
         peaks = {arm: child_peak(arm, model_path, opts) for arm in ARMS}
 
+    capture = trainers["rpp_baseline_score_centering"][0]._buffered_inputs[0]
+    capture_bytes = sum(
+        capture[key].numel() * capture[key].element_size()
+        for key in ("sampler_head_ids", "sampler_head_logps", "sampler_per_token_logps")
+    )
     base = medians["grpo_beta0.04"]
     print(f"tiny Llama hidden={opts.hidden} x4 layers, batch {opts.batch} = {opts.batch // opts.num_generations} prompts x "
           f"{opts.num_generations}, completion <= {opts.completion_length}, threads {opts.threads}, "
           f"{opts.rounds} rounds x {opts.steps - 1} timed steps per arm\n")
-    print("| arm | median step (s) | ratio vs GRPO | peak RSS (MiB) |")
-    print("|---|---|---|---|")
+    print("| arm | median step (s) | ratio vs GRPO | mean completion length | peak RSS (MiB) |")
+    print("|---|---|---|---|---|")
     for arm in ARMS:
-        print(f"| {arm} | {medians[arm]:.4f} | {medians[arm] / base:.3f} | {peaks[arm]:.0f} |")
+        lengths = [h["completions/mean_length"] for h in trainers[arm][0].state.log_history if "completions/mean_length" in h]
+        mean_len = sum(lengths) / max(len(lengths), 1)
+        print(f"| {arm} | {medians[arm]:.4f} | {medians[arm] / base:.3f} | {mean_len:.2f} | {peaks[arm]:.0f} |")
+    ratio = medians["rpp_baseline_score_centering"] / medians["rpp_baseline"]
+    print(f"\nscore centering (k=32) vs the same baseline run without it: step-time ratio {ratio:.3f}; the capture "
+          f"holds {capture_bytes / 1024:.1f} KiB per micro-batch of {opts.batch} completions")
 
 
 if __name__ == "__main__":

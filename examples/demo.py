@@ -103,9 +103,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny random-init model and the copy task (under a minute)")
     p.add_argument("--output_dir", default=None, help="default: outputs/demo or outputs/demo-tiny")
-    p.add_argument("--max_steps", type=int, default=None, help="default: 18 (SmolLM2) or 150 (--tiny)")
+    p.add_argument("--max_steps", type=int, default=None, help="default: 16 (SmolLM2) or 150 (--tiny)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: every core)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--learning_rate", type=float, default=None, help="default: 5e-4 (SmolLM2, LoRA) or 3e-3 (--tiny)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     t0 = time.time()
@@ -126,7 +127,7 @@ def main(argv=None):
         train_rows, heldout_rows = copy_rows(4000, a.seed + 1), copy_rows(128, a.seed + 2)
         reward_fn, max_new = copy_reward, 2
         config = dict(
-            per_device_train_batch_size=64, num_generations=8, max_completion_length=2, learning_rate=3e-3,
+            per_device_train_batch_size=64, num_generations=8, max_completion_length=2, learning_rate=a.learning_rate or 3e-3,
             max_steps=a.max_steps or 150, logging_steps=10,
         )
         peft_config = None
@@ -140,8 +141,8 @@ def main(argv=None):
         heldout_rows = arithmetic_prompts(tokenizer, 128, a.seed + 2)
         reward_fn, max_new = first_integer_reward, 6
         config = dict(
-            per_device_train_batch_size=32, num_generations=4, max_completion_length=6, learning_rate=1e-4,
-            max_steps=a.max_steps or 18, logging_steps=1,
+            per_device_train_batch_size=32, num_generations=4, max_completion_length=6, learning_rate=a.learning_rate or 5e-4,
+            max_steps=a.max_steps or 16, logging_steps=1,
         )
         peft_config = LoraConfig(
             r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
