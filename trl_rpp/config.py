@@ -67,6 +67,11 @@ class RPPConfig(GRPOConfig):
             Coefficient of the separate KL loss. Defaults to `0.01` for `"reinforce_plus_plus_baseline"` and `0.0`
             for `"reinforce_plus_plus"`, or `0.01` there too when `use_kl_loss=True`. Must be `>= 0`.
 
+        nonfinite_rewards (`str`, *optional*, defaults to `"error"`):
+            What to do when a reward function returns NaN or +/-Inf for a completion. `"error"` raises a `ValueError`
+            that names the function and the row. `"unscorable"` treats the value like `None`: the completion gets zero
+            advantage and leaves its group's baseline and the normalization population.
+
         > Parameters that control score centering
 
         score_centering (`bool`, *optional*, defaults to `False`):
@@ -133,6 +138,15 @@ class RPPConfig(GRPOConfig):
         },
     )
 
+    nonfinite_rewards: str = field(
+        default="error",
+        metadata={
+            "help": "What to do when a reward function returns NaN or +/-Inf: 'error' raises a ValueError naming the "
+            "function and the row; 'unscorable' treats the value like None (zero advantage, left out of the group "
+            "baseline and of the normalization population).",
+            "choices": ["error", "unscorable"],
+        },
+    )
     score_centering: bool = field(
         default=False,
         metadata={
@@ -206,6 +220,11 @@ class RPPConfig(GRPOConfig):
             raise ValueError(
                 f"kl_loss_type={self.kl_loss_type!r} is not supported; accepted values are 'k1', 'k2'."
                 f"{_suggest(self.kl_loss_type, KL_LOSS_TYPES)}"
+            )
+        if self.nonfinite_rewards not in ("error", "unscorable"):
+            raise ValueError(
+                f"nonfinite_rewards={self.nonfinite_rewards!r} is not supported; accepted values are 'error', "
+                f"'unscorable'.{_suggest(self.nonfinite_rewards, ('error', 'unscorable'))}"
             )
         if not self.normalize_advantages:
             reject("normalize_advantages", "True", "Both estimators are defined with global advantage normalization.")

@@ -20,7 +20,12 @@ from .core import (
     score_centered_ppo_loss,
     score_centering_coefficients,
 )
+from .rewards import check_module_rewards, check_prompt_column, guard_reward_func
 from .sampling import SamplerTopKCapture, capturing_generate, check_exact_sampling
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
 
 # Optional per-batch model inputs (multimodal models) that TRL forwards to `_get_per_token_logps_and_entropies`.
 _FORWARD_KEYS = (
@@ -82,18 +87,27 @@ class RPPTrainer(GRPOTrainer):
             }"""),
     }
 
-    def __init__(self, model, reward_funcs=None, args: RPPConfig | None = None, *pargs, **kwargs):
+    def __init__(
+        self, model, reward_funcs=None, args: RPPConfig | None = None, train_dataset=None, eval_dataset=None, **kwargs
+    ):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = RPPConfig(f"{str(name).rstrip('/').split('/')[-1] or 'model'}-RPP")
         if not isinstance(args, RPPConfig):
             raise TypeError(f"args must be an RPPConfig, got {type(args).__name__}: use RPPConfig(...) instead.")
+        if kwargs.get("environment_factory") is None:
+            # Checked before any model is loaded: a missing column would otherwise fail at the first batch.
+            check_prompt_column(train_dataset, "train_dataset")
+            check_prompt_column(eval_dataset, "eval_dataset")
+        if reward_funcs is not None:
+            reward_funcs = [guard_reward_func(f, args.nonfinite_rewards) for f in _as_list(reward_funcs)]
+        kwargs.update(train_dataset=train_dataset, eval_dataset=eval_dataset)
         self._rpp_needs_ref = args.kl_coef != 0.0 or args.use_kl_loss
         # GRPO builds the reference (a frozen copy, or the disabled/"ref" adapter under PEFT) iff beta != 0.
         # Borrow that code path while constructing; beta is never used in the RPP loss.
         args.beta = 1.0 if self._rpp_needs_ref else 0.0
         try:
-            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+            super().__init__(model, reward_funcs, args, **kwargs)
         finally:
             args.beta = 0.0
         self.beta = 0.0
@@ -128,6 +142,12 @@ class RPPTrainer(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # Keep the gathered raw rewards [B_global, num_reward_funcs]: GRPO normalizes them per group afterwards.
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        # Callable reward functions are guarded where they return (see `guard_reward_func`); reward models here.
+        module_columns = [i for i, f in enumerate(self.reward_funcs) if isinstance(f, torch.nn.Module)]
+        if module_columns:
+            rewards_per_func = check_module_rewards(
+                rewards_per_func, module_columns, self.reward_func_names, self.args.nonfinite_rewards
+            )
         self._rpp_rewards_per_func = rewards_per_func
         return rewards_per_func
 
