@@ -18,8 +18,15 @@ from trl_rpp import RPPConfig  # noqa: E402
 from trl_rpp.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
 
 
-def main(outdir, model_path, estimator):
+def main(outdir, model_path, estimator, mode="groups"):
     extra = dict(kl_coef=0.05, gamma=0.9) if estimator == "reinforce_plus_plus" else {}
+    dataset = copy_task_dataset(64)
+    if mode == "mask_truncated":
+        # Rank 0 gets the "b:" groups, which the model never ends: every completion there is truncated and masked.
+        from datasets import Dataset
+
+        dataset = Dataset.from_list([{"prompt": "b:" if i % 2 == 0 else "a:"} for i in range(64)])
+        extra.update(mask_truncated_completions=True, shuffle_dataset=False, num_generations=4)
     args = RPPConfig(
         output_dir=os.path.join(outdir, "out"),
         advantage_estimator=estimator,
@@ -27,7 +34,7 @@ def main(outdir, model_path, estimator):
         use_cpu=True,
         bf16=False,
         per_device_train_batch_size=4,
-        num_generations=8,  # one group of 8 straddles the two processes
+        num_generations=extra.pop("num_generations", 8),  # by default one group of 8 straddles the two processes
         max_completion_length=4,
         max_steps=2,
         learning_rate=1e-2,
@@ -42,7 +49,7 @@ def main(outdir, model_path, estimator):
         model=model_path,
         reward_funcs=[copy_first_char_reward, length_reward],
         args=args,
-        train_dataset=copy_task_dataset(64),
+        train_dataset=dataset,
     )
     trainer.train()
     rank = trainer.accelerator.process_index
@@ -59,4 +66,4 @@ def main(outdir, model_path, estimator):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:])

@@ -167,3 +167,20 @@ def test_dataset_without_prompt_column_fails_before_the_model_is_loaded(tmp_path
     with pytest.raises(ValueError, match=r"train_dataset has no 'prompt' column; its columns are \['question'\]"):
         RPPTrainer(model=str(tmp_path / "does-not-exist"), reward_funcs=copy_first_char_reward,
                    args=make_args(tmp_path, "reinforce_plus_plus"), train_dataset=ds)
+
+
+def test_nonfinite_reward_model_scores_are_rejected(tmp_path, tiny_model):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1)
+    reward_model.config.pad_token_id = 0
+    with torch.no_grad():
+        reward_model.score.weight.fill_(float("nan"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    trainer = CaptureTrainer(
+        model=tiny_model, reward_funcs=reward_model, reward_processing_classes=tokenizer,
+        args=make_args(tmp_path, "reinforce_plus_plus_baseline", reward_weights=None, max_steps=1),
+        train_dataset=copy_task_dataset(16),
+    )
+    with pytest.raises(ValueError, match=r"reward model '.*' returned nan for row 0"):
+        trainer.train()

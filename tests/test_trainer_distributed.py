@@ -69,3 +69,48 @@ def test_two_process_advantages_match_global_reference(tmp_path, estimator):
     # Metrics are reduced across processes: both ranks log the same numbers.
     logs = [[h for h in r["logs"] if "advantages/valid_tokens" in h] for r in ranks]
     assert logs[0] and [h["advantages/valid_tokens"] for h in logs[0]] == [h["advantages/valid_tokens"] for h in logs[1]]
+
+
+def _train_eos_after_a(path):
+    """Fine-tune the tiny model so that it ends "a:" at once and never ends "b:" (a few seconds of SGD)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    a = tok("a:", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    b = tok("b:bbbbbbbb", add_special_tokens=False)["input_ids"]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        for ids in (a, b):
+            x = torch.tensor([ids])
+            loss = model(input_ids=x, labels=x).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    model.save_pretrained(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_fully_masked_process_joins_the_collective_and_trains_on_zeros(tmp_path, estimator):
+    """mask_truncated_completions=True and every completion of rank 0 truncated: rank 0 gets zero advantages,
+    rank 1 the normalization of its own tokens (the whole global population), and training completes."""
+    model_path = build_tiny_model(tmp_path / "model")
+    _train_eos_after_a(model_path)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        os.path.join(HERE, "dist_trainer_script.py"), str(tmp_path), model_path, estimator, "mask_truncated",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    empty_seen = False
+    for b0, b1 in zip(ranks[0]["batches"], ranks[1]["batches"]):
+        if not b0["completion_mask"].any():
+            empty_seen = True
+            assert torch.equal(b0["advantages"], torch.zeros_like(b0["advantages"]))
+            m1 = b1["completion_mask"].bool()
+            assert m1.any() and torch.isfinite(b1["advantages"]).all()
+    assert empty_seen, "rank 0 never had an all-masked batch; the set-up did not do its job"
