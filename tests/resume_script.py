@@ -24,6 +24,7 @@ def main():
     ap.add_argument("--estimator", default="reinforce_plus_plus")
     ap.add_argument("--hang_at", type=int, default=None, help="hang inside the reward function of this step")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--steps_per_generation", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -43,6 +44,7 @@ def main():
         use_cpu=True,
         bf16=False,
         per_device_train_batch_size=8,
+        steps_per_generation=a.steps_per_generation,
         num_generations=4,
         max_completion_length=4,
         max_steps=8,

@@ -21,19 +21,26 @@ def script(*args):
 
 
 def per_step(log_history):
-    return {h["step"]: (h["reward"], h["loss"], h["advantages/raw_mean"]) for h in log_history if "loss" in h and "reward" in h}
+    """step -> (loss, reward, raw advantage mean); the last two are logged only on steps that generate."""
+    return {h["step"]: (h["loss"], h.get("reward"), h.get("advantages/raw_mean")) for h in log_history if "loss" in h}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
-def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, estimator):
+@pytest.mark.parametrize(
+    "estimator,steps_per_generation",
+    [("reinforce_plus_plus", 1), ("reinforce_plus_plus_baseline", 1), ("reinforce_plus_plus", 2)],
+)
+def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, estimator, steps_per_generation):
+    """With steps_per_generation=2 the checkpoint at step 3 falls inside a generation batch (steps 3-4 share one):
+    the batch is saved with the checkpoint and step 4 trains on it after the resume, as it would have."""
     model = build_tiny_model(tmp_path / "model")
     full, broken = str(tmp_path / "full"), str(tmp_path / "broken")
+    spg = ("--steps_per_generation", str(steps_per_generation))
     os.makedirs(broken)
-    subprocess.run(script("--model", model, "--output_dir", full, "--estimator", estimator), env=ENV, check=True,
+    subprocess.run(script("--model", model, "--output_dir", full, "--estimator", estimator, *spg), env=ENV, check=True,
                    capture_output=True, timeout=600)
 
-    proc = subprocess.Popen(script("--model", model, "--output_dir", broken, "--estimator", estimator, "--hang_at", "5"),
+    proc = subprocess.Popen(script("--model", model, "--output_dir", broken, "--estimator", estimator, "--hang_at", "5", *spg),
                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not os.path.exists(os.path.join(broken, "hanging")):
@@ -45,13 +52,16 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, estimator)
     assert sorted(d for d in os.listdir(broken) if d.startswith("checkpoint-")) == ["checkpoint-3"]
     assert not os.path.exists(os.path.join(broken, "log_history.json"))
 
-    out = subprocess.run(script("--model", model, "--output_dir", broken, "--estimator", estimator, "--resume"),
+    out = subprocess.run(script("--model", model, "--output_dir", broken, "--estimator", estimator, "--resume", *spg),
                          env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     resumed_run = json.load(open(os.path.join(broken, "log_history.json")))
     reference_run = json.load(open(os.path.join(full, "log_history.json")))
-    assert resumed_run["steps_run_here"] == [4, 5, 6, 7, 8]  # continued from checkpoint-3 and finished
-    assert reference_run["steps_run_here"] == list(range(1, 9))
+    # Reward calls happen once per generation: every step, or steps 1, 3, 5, 7 with steps_per_generation=2.
+    generated = list(range(1, 9, steps_per_generation))
+    assert reference_run["steps_run_here"] == generated
+    # Continued from checkpoint-3 and finished; with a saved buffer, step 4 reuses it instead of generating.
+    assert resumed_run["steps_run_here"] == [s for s in generated if s >= 4]
     resumed, reference = per_step(resumed_run["log_history"]), per_step(reference_run["log_history"])
     assert sorted(resumed) == list(range(1, 9))  # steps 1-3 come back with the checkpoint's trainer state
     for step in resumed:

@@ -28,6 +28,16 @@ def ref_correction(head_logps, sampler_head_logps, mask, min_tail_mass=1e-6):
     return out
 
 
+def expected_centered_score(p, q, head, y):
+    """e_y - q_hat with q_hat = q on the head and rho * p elsewhere, over the full vocabulary."""
+    in_head = torch.zeros_like(p, dtype=torch.bool)
+    in_head[head] = True
+    rho = (1 - q[in_head].sum()) / (1 - p[in_head].sum())
+    e_y = torch.zeros_like(p)
+    e_y[y] = 1
+    return e_y - torch.where(in_head, q, rho * p)
+
+
 def centered_loss_and_logits_grad(z, zq, y, A, k):
     """-A (log p_y - correction) for one position with trainer logits z [V] and sampler logits zq [V]."""
     z = z.clone().requires_grad_(True)
@@ -76,14 +86,8 @@ def test_on_a_tiny_model_in_float64(tmp_path):
     head = torch.topk(logq, k).indices
     corr = score_centering_correction(logp[head].view(1, 1, k), logq[head].view(1, 1, k), torch.ones(1, 1))
     (-A * (logp[y] - corr[0, 0])).backward()
-    p, q = logp.detach().exp(), logq.exp()
-    in_head = torch.zeros_like(p, dtype=torch.bool)
-    in_head[head] = True
-    rho = (1 - q[in_head].sum()) / (1 - p[in_head].sum())
-    q_hat = torch.where(in_head, q, rho * p)
-    e_y = torch.zeros_like(p)
-    e_y[y] = 1
-    torch.testing.assert_close(logits.grad, -A * (e_y - q_hat), rtol=1e-9, atol=1e-12)
+    want = -A * expected_centered_score(logp.detach().exp(), logq.exp(), head, y)
+    torch.testing.assert_close(logits.grad, want, rtol=1e-9, atol=1e-12)
 
 
 def test_full_vocabulary_head_gives_the_exact_expected_score():
@@ -167,14 +171,8 @@ def _ppo_centered_logits_grad(z, zq, old_logp_y, y, A, k, eps=0.2):
         torch.ones(1, 1), logp[head].view(1, 1, k), logq[head].view(1, 1, k), eps, eps,
     )
     loss.backward()
-    p, q = torch.softmax(z.detach(), -1), torch.softmax(zq, -1)
-    in_head = torch.zeros_like(p, dtype=torch.bool)
-    in_head[head] = True
-    rho = (1 - q[in_head].sum()) / (1 - p[in_head].sum())
-    q_hat = torch.where(in_head, q, rho * p)
-    e_y = torch.zeros_like(p)
-    e_y[y] = 1
-    return z.grad, e_y - q_hat, torch.exp(torch.log_softmax(z.detach(), -1)[y] - old_logp_y)
+    centered = expected_centered_score(torch.softmax(z.detach(), -1), torch.softmax(zq, -1), head, y)
+    return z.grad, centered, torch.exp(torch.log_softmax(z.detach(), -1)[y] - old_logp_y)
 
 
 @pytest.mark.parametrize("shift,A,clipped", [(0.1, 1.0, False), (-0.1, -1.0, False), (0.5, 1.0, True), (-0.5, -1.0, True)])

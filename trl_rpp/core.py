@@ -310,15 +310,23 @@ def response_mean_ppo_loss(
     Returns:
         0-dim loss.
     """
-    m = _as_bool_mask(mask)
+    token_loss, _ = _clipped_surrogate(logps, old_logps, advantages, _as_bool_mask(mask), epsilon_low, epsilon_high)
+    return masked_response_mean(token_loss, mask)
+
+
+def _clipped_surrogate(logps, old_logps, advantages, m, epsilon_low, epsilon_high):
+    """Token loss ``max(-rho A, -clip(rho) A)`` ``[B, T]`` and the weight its gradient puts on ``grad log p``:
+    ``rho`` where the unclipped branch is active, 0 where the clipped one is (detached). Zero outside ``m``."""
     zero = _zero(logps)
     # Select before exp: a NaN or Inf at a masked position never enters exp() or the product.
     log_ratio = torch.where(m, logps - old_logps, zero)
     adv = torch.where(m, advantages.to(logps.dtype), zero)
     ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    token_loss = torch.maximum(-ratio * adv, -clipped * adv)
-    return masked_response_mean(token_loss, m)
+    unclipped = -ratio * adv
+    clipped = -torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv
+    token_loss = torch.where(m, torch.maximum(unclipped, clipped), zero)
+    weight = torch.where(m & (unclipped >= clipped), ratio, zero).detach()
+    return token_loss, weight
 
 
 def response_mean_k2_loss(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -435,13 +443,7 @@ def score_centered_ppo_loss(
         0-dim loss.
     """
     m = _as_bool_mask(mask)
-    zero = _zero(logps)
-    ratio = torch.exp(torch.where(m, logps - old_logps, zero))
-    adv = torch.where(m, advantages.to(logps.dtype), zero)
-    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    unclipped_loss, clipped_loss = -ratio * adv, -clipped * adv
-    token_loss = torch.maximum(unclipped_loss, clipped_loss)
-    weight = torch.where(unclipped_loss >= clipped_loss, ratio, zero).detach()
+    token_loss, weight = _clipped_surrogate(logps, old_logps, advantages, m, epsilon_low, epsilon_high)
+    adv = torch.where(m, advantages.to(logps.dtype), _zero(logps))
     correction = score_centering_correction(head_logps, sampler_head_logps, m, min_tail_mass).to(logps.dtype)
-    token_loss = token_loss + (adv * weight) * correction
-    return masked_response_mean(token_loss, m)
+    return masked_response_mean(token_loss + (adv * weight) * correction, m)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import torch
@@ -134,6 +135,37 @@ class RPPTrainer(GRPOTrainer):
         model = self.accelerator.unwrap_model(self.model)
         merged = {**model.generation_config.to_dict(), **self.generation_kwargs}
         check_exact_sampling(merged, self.temperature, where="the model's generation config: ")
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Checkpoints: the buffered generation batch outlives an optimizer step when steps_per_generation or
+    # num_iterations > 1. GRPO drops it on resume and samples a new batch; we save it, so a resumed run continues
+    # exactly where the interrupted one was.
+    # ------------------------------------------------------------------------------------------------------------
+
+    _BUFFER_FILE = "rpp_generation_buffer_rank{}.pt"
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self._buffered_inputs is None:
+            return
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        # Tensors and numbers only, so that loading never needs unrestricted pickle (weights_only=True).
+        buffer = [
+            {k: v for k, v in batch.items() if torch.is_tensor(v) or isinstance(v, (int, float))}
+            for batch in self._buffered_inputs
+        ]
+        path = os.path.join(folder, self._BUFFER_FILE.format(self.accelerator.process_index))
+        torch.save({"step": self._step, "buffer": buffer}, path)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, self._BUFFER_FILE.format(self.accelerator.process_index))
+        if os.path.exists(path):
+            state = torch.load(path, map_location=self.accelerator.device, weights_only=True)
+            self._buffered_inputs, self._step = state["buffer"], state["step"]
 
     # ------------------------------------------------------------------------------------------------------------
     # Generation: raw rewards -> [B, T] advantages
