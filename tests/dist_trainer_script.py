@@ -51,6 +51,8 @@ def main(outdir, model_path, estimator, mode="groups"):
         args=args,
         train_dataset=dataset,
     )
+    # "groups": REINFORCE++ returns built at generation (with an old-policy forward); "deferred": built in the loss.
+    trainer._rpp_allow_deferred_returns = mode != "groups"
     trainer.train()
     rank = trainer.accelerator.process_index
     assert trainer.accelerator.num_processes == 2, trainer.accelerator.num_processes
@@ -58,6 +60,7 @@ def main(outdir, model_path, estimator, mode="groups"):
         dict(
             batches=trainer.generation_batches,
             rewards=trainer.captured_rewards,
+            loss_inputs=trainer.loss_inputs,
             logs=trainer.state.log_history,
             backend=torch.distributed.get_backend(),
         ),

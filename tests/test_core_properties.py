@@ -77,14 +77,17 @@ def test_finite_zero_outside_mask_and_invariant_to_masked_values(b):
             assert torch.equal(x[~m], torch.zeros_like(x[~m])), name
 
     # A non-empty normalized population has mean 0 and variance 1, or is all zeros at zero variance.
-    for name in ("normalized", "norm_returns"):
+    for name, raw in (("normalized", b["a"]), ("norm_returns", got["returns"])):
         vals = got[name][m].double()
         if vals.abs().max() == 0:
             continue
         n = vals.numel()
         mu = vals.mean().item()
         pop_var = ((vals - mu) ** 2).mean().item()
-        assert abs(mu) < 1e-4, (name, mu)
+        # Centering in the input dtype loses about eps * max|x| / std of relative accuracy (float32 cancellation).
+        r = raw[m].double()
+        slack = torch.finfo(raw.dtype).eps * (r.abs().max() / r.std(unbiased=False).clamp(min=1e-300)).item()
+        assert abs(mu) < 1e-4 + 16 * slack, (name, mu, slack)
         if name == "normalized" and var.item() > 1e-8 * 10:
             assert math.isclose(pop_var, 1.0, rel_tol=1e-3), (name, pop_var, n)
     assert count.item() == int(m.sum())

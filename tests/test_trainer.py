@@ -47,8 +47,10 @@ class CaptureTrainer(RPPTrainer):
         return batch
 
     def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        # After the call, so that advantages built inside the loss (deferred REINFORCE++ returns) are included.
         self.loss_inputs.append({k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in inputs.items()})
-        return super()._compute_loss(model, inputs)
+        return loss
 
 
 def make_args(tmp_path, estimator, **kw):
@@ -307,3 +309,42 @@ def test_accumulated_gradient_equals_spec_objective(tmp_path, tiny_model, estima
     assert set(want) == set(grads[0])
     for name, g in grads[0].items():
         torch.testing.assert_close(g.double(), want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("score_centering", [False, True])
+def test_deferred_returns_equal_generation_time_returns_and_save_a_forward(tmp_path, tiny_model, score_centering):
+    """REINFORCE++ with steps_per_generation=1: pi_old is the loss forward's own log-probs, so the returns are built
+    in the loss. Same numbers as building them at generation with an extra forward, one forward fewer per batch."""
+    runs = {}
+    for deferred in (True, False):
+        args = make_args(
+            tmp_path / str(deferred), "reinforce_plus_plus", kl_coef=0.05, gamma=0.9, steps_per_generation=1,
+            gradient_accumulation_steps=2, max_steps=3, score_centering=score_centering,
+            score_centering_top_k=8,
+        )
+        trainer = CaptureTrainer(
+            model=tiny_model, reward_funcs=[copy_first_char_reward, length_reward], args=args,
+            train_dataset=copy_task_dataset(64),
+        )
+        trainer._rpp_allow_deferred_returns = deferred
+        calls = []
+        original = trainer._get_per_token_logps_and_entropies
+
+        def counting(*a, **kw):
+            calls.append(torch.is_grad_enabled())
+            return original(*a, **kw)
+
+        trainer._get_per_token_logps_and_entropies = counting
+        trainer.train()
+        runs[deferred] = (trainer.state.log_history, calls, trainer.generation_batches)
+    logs_d, calls_d, batches_d = runs[True]
+    logs_g, calls_g, batches_g = runs[False]
+    assert all("rpp_rewards" in b and "advantages" not in b for b in batches_d)
+    assert all("advantages" in b for b in batches_g)
+    # 6 micro-batches: the generation-time path runs one extra no-grad forward (pi_old) for each.
+    assert calls_g.count(False) - calls_d.count(False) == 6
+    keys = ["loss", "reward", "advantages/raw_mean", "advantages/raw_std", "advantages/std", "returns/max", "ref_kl/k1_mean"]
+    rows_d = [[h[k] for k in keys] for h in logs_d if "loss" in h]
+    rows_g = [[h[k] for k in keys] for h in logs_g if "loss" in h]
+    assert len(rows_d) == 3
+    torch.testing.assert_close(torch.tensor(rows_d), torch.tensor(rows_g), rtol=1e-5, atol=1e-6)

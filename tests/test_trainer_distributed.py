@@ -15,19 +15,41 @@ from trl_rpp.tiny import build_tiny_model
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
-def test_two_process_advantages_match_global_reference(tmp_path, estimator):
-    model_path = build_tiny_model(tmp_path / "model")
+def _launch(tmp_path, model_path, estimator, mode):
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no",
-        os.path.join(HERE, "dist_trainer_script.py"), str(tmp_path), model_path, estimator,
+        "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        os.path.join(HERE, "dist_trainer_script.py"), str(tmp_path), model_path, estimator, mode,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_two_process_deferred_returns_match_global_reference(tmp_path):
+    """REINFORCE++ with steps_per_generation=1 builds its returns inside the loss: still normalized over both ranks."""
+    ranks = _launch(tmp_path, build_tiny_model(tmp_path / "model"), "reinforce_plus_plus", "deferred")
+    assert len(ranks[0]["loss_inputs"]) == len(ranks[1]["loss_inputs"]) == 2
+    for step in range(2):
+        inputs = [r["loss_inputs"][step] for r in ranks]
+        assert all("rpp_rewards" in x for x in inputs)
+        raws = [
+            ref_reinforce_pp_returns(
+                x["rpp_rewards"].double().tolist(), x["old_per_token_logps"].double().tolist(),
+                x["ref_per_token_logps"].double().tolist(), x["rpp_mask"].tolist(), 0.05, 0.9,
+            )
+            for x in inputs
+        ]
+        want, _, _, _ = ref_global_masked_normalize(raws, [x["rpp_mask"].tolist() for x in inputs])
+        for r, x in enumerate(inputs):
+            torch.testing.assert_close(x["advantages"].double(), torch.tensor(want[r], dtype=torch.float64),
+                                       rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_two_process_advantages_match_global_reference(tmp_path, estimator):
+    ranks = _launch(tmp_path, build_tiny_model(tmp_path / "model"), estimator, "groups")
     assert ranks[0]["backend"] == "gloo"
 
     differs = []
@@ -97,17 +119,10 @@ def test_fully_masked_process_joins_the_collective_and_trains_on_zeros(tmp_path,
     rank 1 the normalization of its own tokens (the whole global population), and training completes."""
     model_path = build_tiny_model(tmp_path / "model")
     _train_eos_after_a(model_path)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        os.path.join(HERE, "dist_trainer_script.py"), str(tmp_path), model_path, estimator, "mask_truncated",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = _launch(tmp_path, model_path, estimator, "mask_truncated")
     empty_seen = False
-    for b0, b1 in zip(ranks[0]["batches"], ranks[1]["batches"]):
+    # One micro-batch per generation: the loss inputs carry the advantages the loss used (both code paths).
+    for b0, b1 in zip(ranks[0]["loss_inputs"], ranks[1]["loss_inputs"]):
         if not b0["completion_mask"].any():
             empty_seen = True
             assert torch.equal(b0["advantages"], torch.zeros_like(b0["advantages"]))

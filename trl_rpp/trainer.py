@@ -59,7 +59,10 @@ class RPPTrainer(GRPOTrainer):
     2. **Log-probs at generation.** Reference log-probs are computed once per generation batch when the estimator
        needs them (k1 shaping with `kl_coef > 0`, or the KL loss), from the frozen initial model, or with adapters
        disabled under PEFT, through GRPO's own reference code path. Old-policy log-probs are computed at generation
-       time when k1 shaping needs them, even where GRPO would skip them; no other forward pass is added.
+       time when k1 shaping needs them, even where GRPO would skip them; no other forward pass is added. When a
+       generation batch is a single micro-batch trained on at once (`steps_per_generation == 1` and
+       `num_iterations == 1`, or evaluation), pi_old is exactly the loss forward's log-probs, so REINFORCE++ builds
+       its returns and normalizes them inside the loss instead, without that extra forward.
     3. **Loss.** The clipped token surrogate with response-mean reduction (`response_mean_ppo_loss`), plus
        `kl_loss_coef * KL` (`response_mean_k2_loss`, or k1) when `use_kl_loss`. GRPO's k3 `beta` term is never used.
        The loss is divided by the gradient-accumulation steps as in GRPO's `"grpo"` loss type.
@@ -114,6 +117,7 @@ class RPPTrainer(GRPOTrainer):
         self.beta = 0.0
         self._rpp_rewards_per_func = None
         self._rpp_capture = None
+        self._rpp_allow_deferred_returns = True  # tests switch it off to compare both paths
         if args.score_centering:
             self._check_score_centering_setup()
 
@@ -213,6 +217,11 @@ class RPPTrainer(GRPOTrainer):
         mask = batch["completion_mask"].bool()
         if "tool_mask" in batch:
             mask = mask & batch["tool_mask"].bool()
+        if args.score_centering:
+            capture, self._rpp_capture = self._rpp_capture, None
+            ids, head, sampled = capture.tensors(batch["completion_ids"].size(1))
+            batch["sampler_head_ids"], batch["sampler_head_logps"] = ids.to(device), head.to(device)
+            batch["sampler_per_token_logps"] = sampled.to(device)
 
         # Raw rewards as GRPO sums them; rows that no reward function scored are "unscorable".
         rewards_per_func = self._rpp_rewards_per_func
@@ -227,6 +236,12 @@ class RPPTrainer(GRPOTrainer):
         ref_logps = batch.get("ref_per_token_logps")
         if args.advantage_estimator == "reinforce_plus_plus":
             old_logps = batch.get("old_per_token_logps")
+            if args.kl_coef != 0.0 and old_logps is None and self._rpp_defer_returns(mode):
+                # pi_old is exactly what the loss forward computes, and it needs the whole batch anyway: the
+                # returns and their normalization move into `_compute_loss`, saving one forward pass.
+                batch.pop("advantages", None)
+                batch["rpp_rewards"], batch["rpp_mask"] = rewards[local], mask
+                return batch
             if args.kl_coef != 0.0 and old_logps is None:
                 batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
                 with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
@@ -241,13 +256,16 @@ class RPPTrainer(GRPOTrainer):
 
         advantages, raw_mean, raw_var, count = global_masked_normalize(raw, mask)
         batch["advantages"] = advantages
-        if args.score_centering:
-            capture, self._rpp_capture = self._rpp_capture, None
-            ids, logps, sampled = capture.tensors(batch["completion_ids"].size(1))
-            batch["sampler_head_ids"], batch["sampler_head_logps"] = ids.to(device), logps.to(device)
-            batch["sampler_per_token_logps"] = sampled.to(device)
         self._log_advantage_metrics(mode, raw, advantages, mask, raw_mean, raw_var, count, batch)
         return batch
+
+    def _rpp_defer_returns(self, mode):
+        """True when each generation batch is one micro-batch trained on right away with unchanged weights
+        (`steps_per_generation == 1`, `num_iterations == 1`, or evaluation): then pi_old is the loss forward's own
+        log-probs, and REINFORCE++ computes its k1 returns there instead of in an extra forward at generation."""
+        return self._rpp_allow_deferred_returns and (
+            mode == "eval" or (self.args.steps_per_generation == 1 and self.num_iterations == 1)
+        )
 
     def _log_advantage_metrics(self, mode, raw, advantages, mask, raw_mean, raw_var, count, batch):
         # One gather and one host transfer per generation batch, for logging only (GRPO logs the same way).
@@ -309,7 +327,19 @@ class RPPTrainer(GRPOTrainer):
         old_logps = inputs.get("old_per_token_logps")
         # Without a stored pi_old, generation and optimisation are aligned and pi_old == pi_theta (as in GRPO).
         old_logps = logps.detach() if old_logps is None else old_logps
-        advantages = inputs["advantages"]
+        if "rpp_rewards" in inputs:  # REINFORCE++ returns deferred from generation (see `_rpp_defer_returns`)
+            rmask = inputs["rpp_mask"]
+            raw = reinforce_pp_returns(
+                inputs["rpp_rewards"], old_logps, inputs["ref_per_token_logps"], rmask, args.kl_coef, args.gamma
+            )
+            advantages, raw_mean, raw_var, count = global_masked_normalize(raw, rmask)
+            self._log_advantage_metrics(
+                mode, raw, advantages, rmask, raw_mean, raw_var, count, {**inputs, "old_per_token_logps": old_logps}
+            )
+            # Recorded in the batch, as the generation-time path records them, for inspection after the step.
+            inputs["advantages"], inputs["old_per_token_logps"] = advantages, old_logps
+        else:
+            advantages = inputs["advantages"]
 
         if args.score_centering:
             policy_loss = score_centered_ppo_loss(
