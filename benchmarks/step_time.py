@@ -66,6 +66,8 @@ def make_trainer(arm, model_path, opts, outdir):
         use_cpu=True,
         bf16=False,
         per_device_train_batch_size=opts.batch,
+        gradient_accumulation_steps=opts.steps_per_generation,
+        steps_per_generation=opts.steps_per_generation,
         num_generations=opts.num_generations,
         max_completion_length=opts.completion_length,
         max_steps=opts.steps,
@@ -94,6 +96,7 @@ def child_peak(arm, model_path, opts):
     cmd = [sys.executable, __file__, "--child", arm, "--model", model_path, "--steps", str(opts.steps)]
     cmd += ["--batch", str(opts.batch), "--num_generations", str(opts.num_generations)]
     cmd += ["--completion_length", str(opts.completion_length), "--threads", str(opts.threads)]
+    cmd += ["--steps_per_generation", str(opts.steps_per_generation)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_rss_mib"]
 
@@ -107,6 +110,8 @@ def main():
     p.add_argument("--completion_length", type=int, default=16)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--steps_per_generation", type=int, default=1,
+                   help="also the gradient accumulation steps; > 1 makes REINFORCE++ compute pi_old at generation")
     p.add_argument("--model", default=None)
     p.add_argument("--child", default=None)
     opts = p.parse_args()
@@ -138,6 +143,7 @@ def main():
     base = medians["grpo_beta0.04"]
     print(f"tiny Llama hidden={opts.hidden} x4 layers, batch {opts.batch} = {opts.batch // opts.num_generations} prompts x "
           f"{opts.num_generations}, completion <= {opts.completion_length}, threads {opts.threads}, "
+          f"steps_per_generation = gradient_accumulation_steps = {opts.steps_per_generation}, "
           f"{opts.rounds} rounds x {opts.steps - 1} timed steps per arm\n")
     print("| arm | median step (s) | ratio vs GRPO | mean completion length | peak RSS (MiB) |")
     print("|---|---|---|---|---|")
