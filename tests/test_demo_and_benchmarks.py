@@ -41,3 +41,19 @@ def test_core_benchmark_runs_small():
 def test_step_time_benchmark_runs_small():
     stdout = run(["benchmarks/step_time.py", "--rounds", "1", "--steps", "2", "--batch", "8", "--hidden", "32"])
     assert "| rpp_baseline |" in stdout and "| grpo_beta0.04 |" in stdout
+
+
+@pytest.mark.slow
+def test_compare_estimators_sweep_runs_and_resumes(tmp_path):
+    args = ["benchmarks/compare_estimators.py", "--tiny", "--seeds", "0", "--steps", "2", "--heldout", "16",
+            "--threads", "1", "--out", str(tmp_path)]
+    run(args, timeout=600)
+    for arm in ("rpp", "rpp_baseline", "grpo", "grpo_noscale"):
+        summary = json.loads((tmp_path / arm / "seed0" / "summary.json").read_text())
+        assert len(summary["step_seconds"]) == 2 and 0.0 <= summary["heldout_after"] <= 1.0
+        assert (tmp_path / arm / "seed0" / "metrics.jsonl").read_text().count("\n") >= 2
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["arms"]) == {"rpp", "rpp_baseline", "grpo", "grpo_noscale"}
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    again = run(args, timeout=600)  # a second start resumes: every finished run is skipped
+    assert again.count("done earlier, skipped") == 4
