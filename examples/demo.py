@@ -5,14 +5,16 @@
 
 Task: "What is a + b? Answer with just the number." with a in 0..99 and b in 0..20, the assistant turn pre-filled
 with "a + b =" (without the pre-fill the model echoes the operands). Reward: 1 if the first integer of the
-completion is the sum. A 128-prompt held-out split is scored greedily before and after training.
+completion is the sum. A 128-prompt held-out split is scored greedily before and after training. LoRA r=16,
+alpha 32 on the attention projections, lr 5e-4, 8 prompts x 4 generations, at most 6 new tokens, 16 steps:
+measured here from an empty cache, held-out accuracy 0.31 -> 0.82 in 6 min 6 s on 2 cores.
 
 Everything lands in --output_dir: the LoRA checkpoint and its model card (README.md), metrics.jsonl (the trainer's
 log history), learning_curve.png (reward per step with a moving average), summary.json and the offline wandb run.
 
 Threads: on an idle 2-core machine 2 torch threads were about 1.7x faster than 1 (greedy eval of 128 prompts: 10.9 s
-vs 18.1 s); when other work competes for the cores, 1 thread was about 10x faster than the default. The default is
-every core; pass --threads 1 on a busy machine.
+vs 18.1 s). When other work competes for the cores, 1 thread has been reported to be about 10x faster than the
+default (not re-measured here). The default is every core; pass --threads 1 on a busy machine.
 """
 
 from __future__ import annotations

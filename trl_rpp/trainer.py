@@ -28,6 +28,7 @@ from .sampling import SamplerTopKCapture, capturing_generate, check_exact_sampli
 def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
+
 # Optional per-batch model inputs (multimodal models) that TRL forwards to `_get_per_token_logps_and_entropies`.
 _FORWARD_KEYS = (
     "pixel_values",
@@ -117,7 +118,9 @@ class RPPTrainer(GRPOTrainer):
         self.beta = 0.0
         self._rpp_rewards_per_func = None
         self._rpp_capture = None
-        self._rpp_allow_deferred_returns = True  # tests switch it off to compare both paths
+        # False forces REINFORCE++ returns to be built at generation, with an old-policy forward; both paths give
+        # the same numbers (tests/test_trainer.py compares them).
+        self._rpp_allow_deferred_returns = True
         if args.score_centering:
             self._check_score_centering_setup()
 
