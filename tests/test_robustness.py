@@ -23,8 +23,9 @@ def build(tmp_path, tiny_model, reward_funcs, estimator="reinforce_plus_plus_bas
 
 
 def none_for_some(prompts, completions, **kw):
-    """Unscorable (None) for completions that start with 'a', else 1 for a copy, 0 otherwise."""
-    return [None if c[:1] == "a" else float(c[:1] == p[:1]) for p, c in zip(prompts, completions)]
+    """Unscorable (None) for completions that start with one of 13 of the 46 tokens (about 28% of a random
+    model's samples), else 1 for a copy of the prompt's first letter, 0 otherwise."""
+    return [None if c[:1] in "nopqrstuvwxyz" else float(c[:1] == p[:1]) for p, c in zip(prompts, completions)]
 
 
 @pytest.mark.parametrize("estimator", EST)
