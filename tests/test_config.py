@@ -66,12 +66,19 @@ def test_reinforce_pp_with_kl_loss_instead_of_shaping():
         (dict(delta=1.5), r"delta=1.5 .*accepted: None"),
         (dict(entropy_coef=0.01), r"entropy_coef=0.01 .*accepted: 0.0"),
         (dict(sync_ref_model=True), r"sync_ref_model=True .*accepted: False"),
-        (dict(use_vllm=True), r"use_vllm=True .*accepted: False"),
+        (dict(use_vllm=True, score_centering=True), r"vllm_importance_sampling_mode='sequence_mask' is not supported with score_centering=True; accepted: 'token_truncate', 'token_mask'"),
     ],
 )
 def test_rejections_name_field_and_accepted_values(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         make(**kwargs)
+
+
+def test_vllm_is_accepted_and_with_score_centering_needs_token_level_correction():
+    assert make(use_vllm=True).use_vllm
+    c = make(use_vllm=True, score_centering=True, vllm_importance_sampling_mode="token_truncate")
+    assert c.score_centering and c.vllm_importance_sampling_mode == "token_truncate"
+    assert make(use_vllm=True, score_centering=True, vllm_importance_sampling_correction=False).score_centering
 
 
 def test_context_parallelism_is_rejected():

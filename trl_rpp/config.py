@@ -193,7 +193,17 @@ class RPPConfig(GRPOConfig):
         if self.use_transformers_continuous_batching:
             raise ValueError(
                 "use_transformers_continuous_batching=True is not supported with score_centering=True; accepted: "
-                "False. The sampler's top-k log-probs are captured in transformers' `generate`."
+                "False. The sampler's top-k log-probs are captured in transformers' `generate` (or vLLM)."
+            )
+        if self.use_vllm and self.vllm_importance_sampling_correction and self.vllm_importance_sampling_mode not in (
+            "token_truncate",
+            "token_mask",
+        ):
+            raise ValueError(
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not supported with "
+                "score_centering=True; accepted: 'token_truncate', 'token_mask' (or "
+                "vllm_importance_sampling_correction=False). A sequence-level weight is shared by all tokens of a "
+                "response and has no per-token form to center."
             )
 
     def _resolve_and_validate(self):
@@ -286,7 +296,6 @@ class RPPConfig(GRPOConfig):
             ("use_adaptive_entropy", "False", self.use_adaptive_entropy,
              "An entropy bonus is not part of the REINFORCE++ loss."),
             ("sync_ref_model", "False", self.sync_ref_model, "The reference is the frozen initial policy."),
-            ("use_vllm", "False", self.use_vllm, "vLLM generation is not supported by RPPTrainer yet."),
         ]
         for name, accepted, bad, why in unsupported:
             if bad:

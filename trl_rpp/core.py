@@ -294,6 +294,7 @@ def response_mean_ppo_loss(
     mask: torch.Tensor,
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
+    importance_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Token PPO clipped surrogate with response-mean reduction (spec, "PPO and KL reduction").
 
@@ -306,12 +307,22 @@ def response_mean_ppo_loss(
         advantages: ``[B, T]`` (normalized) advantages.
         mask: ``[B, T]`` bool or 0/1.
         epsilon_low, epsilon_high: clip range ``[1 - epsilon_low, 1 + epsilon_high]``.
+        importance_weights: optional ``[B, T]`` or ``[B, 1]`` sampler-correction weights (TRL's vLLM importance
+            sampling ratio) multiplying each token's loss; read only at valid positions.
 
     Returns:
         0-dim loss.
     """
-    token_loss, _ = _clipped_surrogate(logps, old_logps, advantages, _as_bool_mask(mask), epsilon_low, epsilon_high)
-    return masked_response_mean(token_loss, mask)
+    m = _as_bool_mask(mask)
+    token_loss, _ = _clipped_surrogate(logps, old_logps, advantages, m, epsilon_low, epsilon_high)
+    return masked_response_mean(_weighted(token_loss, importance_weights, m), m)
+
+
+def _weighted(token_loss, importance_weights, m):
+    if importance_weights is None:
+        return token_loss
+    w = torch.where(m, importance_weights.expand_as(token_loss).to(token_loss.dtype), _zero(token_loss))
+    return token_loss * w.detach()
 
 
 def _clipped_surrogate(logps, old_logps, advantages, m, epsilon_low, epsilon_high):
@@ -346,8 +357,14 @@ def score_centering_coefficients(
     sampler_head_logps: torch.Tensor,
     mask: torch.Tensor,
     min_tail_mass: float = 1e-6,
+    weight_fn=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Coefficients ``q_v - rho p_v`` of the top-k score-centering correction, and the two head masses.
+
+    With an importance weight ``f`` applied to the sampled token's score (``weight_fn``, elementwise on the ratio
+    ``p/q``), the centered quantity is ``E_q_hat[f(p/q_hat) grad log p]`` and the coefficients become
+    ``q_v f(p_v/q_v) - alpha p_v`` with ``alpha = rho f(1/rho)`` (the tail's ratio is ``1/rho`` everywhere).
+    ``weight_fn=None`` means ``f = 1``.
 
     ``rho = (1 - sum_H q) / (1 - sum_H p)``. Everything is computed in float64 from detached inputs. Tail-mass clamp:
     the sampler's tail ``1 - sum_H q`` is clamped at 0 (rounding can push it slightly negative) and the trainer's at
@@ -375,8 +392,15 @@ def score_centering_coefficients(
     q = torch.where(present, sampler_head_logps.detach().to(torch.float64), -torch.inf).exp()
     p = torch.where(present, head_logps.detach().to(torch.float64), -torch.inf).exp()
     q_mass, p_mass = q.sum(-1), p.sum(-1)
-    rho = (1.0 - q_mass).clamp(min=0.0) / (1.0 - p_mass).clamp(min=min_tail_mass)
-    coeff = torch.where(present, q - rho.unsqueeze(-1) * p, zero64)
+    rho = ((1.0 - q_mass).clamp(min=0.0) / (1.0 - p_mass).clamp(min=min_tail_mass)).unsqueeze(-1)
+    if weight_fn is None:
+        coeff = q - rho * p
+    else:
+        # rho -> 0 (no sampler tail): alpha -> lim f(x)/x, which rho_c * f(1/rho_c) reaches without dividing by 0.
+        rho_c = rho.clamp(min=1e-300)
+        alpha = rho_c * weight_fn(1.0 / rho_c)
+        coeff = q * weight_fn(p / torch.where(present, q, 1.0)) - alpha * p
+    coeff = torch.where(present, coeff, zero64)
     return coeff, torch.where(m, q_mass, zero64), torch.where(m, p_mass, zero64)
 
 
@@ -385,6 +409,7 @@ def score_centering_correction(
     sampler_head_logps: torch.Tensor,
     mask: torch.Tensor,
     min_tail_mass: float = 1e-6,
+    weight_fn=None,
 ) -> torch.Tensor:
     """Top-k score-centering term ``sum_{v in H} sg[q_v - rho p_v] log p_v`` (`score_centering.txt`).
 
@@ -402,11 +427,12 @@ def score_centering_correction(
         sampler_head_logps: ``[B, T, k]`` the sampler's log-probs of those ids; ``-inf`` marks an absent entry.
         mask: ``[B, T]`` bool or 0/1.
         min_tail_mass: lower bound of the trainer's tail mass ``1 - sum_H p``.
+        weight_fn: optional importance weight ``f`` of the sampled token's score, see `score_centering_coefficients`.
 
     Returns:
         ``[B, T]`` correction, zero outside the mask (in ``head_logps``' dtype, at least float32).
     """
-    coeff, _, _ = score_centering_coefficients(head_logps, sampler_head_logps, mask, min_tail_mass)
+    coeff, _, _ = score_centering_coefficients(head_logps, sampler_head_logps, mask, min_tail_mass, weight_fn)
     acc = _accum_dtype(head_logps.dtype)
     zero = torch.zeros((), dtype=acc, device=head_logps.device)
     present = coeff != 0
@@ -425,6 +451,8 @@ def score_centered_ppo_loss(
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
     min_tail_mass: float = 1e-6,
+    importance_weights: torch.Tensor | None = None,
+    weight_fn=None,
 ) -> torch.Tensor:
     """`response_mean_ppo_loss` with the score of every valid token centered (score_centering.txt).
 
@@ -433,17 +461,27 @@ def score_centered_ppo_loss(
     gradient becomes ``-A * w * (grad log p_y - sum_H (q_v - rho p_v) grad log p_v)``: the weight that is actually
     applied to the token multiplies the centered score, and a clipped token stays without gradient.
 
+    With a sampler-correction weight ``w_is = f(pi_old/q)`` on each token (TRL's vLLM importance sampling), only the
+    surrogate is multiplied by ``w_is``; the correction is not, and centers ``f`` instead: its coefficients become
+    ``q_v f(p_v/q_v) - rho f(1/rho) p_v`` (``weight_fn = f``), so the gradient is
+    ``-A * w * (f(r_y) grad log p_y - E_q_hat[f(p/q_hat) grad log p])``.
+
     Args:
         logps, old_logps, advantages, mask: as in `response_mean_ppo_loss` (``[B, T]``).
         head_logps: ``[B, T, k]`` current-policy log-probs at the sampler's head ids (carry the gradient).
         sampler_head_logps: ``[B, T, k]`` the sampler's log-probs of those ids, ``-inf`` for absent entries.
         epsilon_low, epsilon_high, min_tail_mass: see `response_mean_ppo_loss` and `score_centering_correction`.
+        importance_weights: optional ``[B, T]`` per-token ``f(pi_old/q)``; it must come with its ``weight_fn``.
+        weight_fn: ``f`` as an elementwise function of the ratio, see `score_centering_coefficients`.
 
     Returns:
         0-dim loss.
     """
+    if (importance_weights is None) != (weight_fn is None):
+        raise ValueError("importance_weights and weight_fn go together: pass both or neither")
     m = _as_bool_mask(mask)
     token_loss, weight = _clipped_surrogate(logps, old_logps, advantages, m, epsilon_low, epsilon_high)
     adv = torch.where(m, advantages.to(logps.dtype), _zero(logps))
-    correction = score_centering_correction(head_logps, sampler_head_logps, m, min_tail_mass).to(logps.dtype)
-    return masked_response_mean(token_loss + (adv * weight) * correction, m)
+    correction = score_centering_correction(head_logps, sampler_head_logps, m, min_tail_mass, weight_fn)
+    token_loss = _weighted(token_loss, importance_weights, m)
+    return masked_response_mean(token_loss + (adv * weight) * correction.to(logps.dtype), m)

@@ -125,3 +125,95 @@ def capturing_generate(model, capture: SamplerTopKCapture):
         yield capture
     finally:
         del model.generate
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vLLM: top-k log-probs requested with `logprobs=k` (processed log-probs, i.e. after temperature)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class RecordedTopK:
+    """Per-sequence top-k lists already gathered (vLLM), with the same `tensors(length)` as `SamplerTopKCapture`."""
+
+    def __init__(self, ids, logps, sampled):
+        self.ids, self.logps, self.sampled = ids, logps, sampled  # [B, T, k], [B, T, k], [B, T]
+
+    def tensors(self, length: int):
+        ids, logps, sampled = self.ids[:, :length], self.logps[:, :length], self.sampled[:, :length]
+        pad = length - ids.size(1)
+        if pad > 0:
+            ids = torch.nn.functional.pad(ids, (0, 0, 0, pad), value=0)
+            logps = torch.nn.functional.pad(logps, (0, 0, 0, pad), value=float("-inf"))
+            sampled = torch.nn.functional.pad(sampled, (0, pad), value=float("-inf"))
+        return ids, logps, sampled
+
+
+def parse_vllm_topk(completion_ids, logprobs, logprob_token_ids, k: int):
+    """Split TRL's vLLM log-prob lists into the sampled token's log-prob and the sampler's top-k head.
+
+    With `logprobs=k`, vLLM returns at each position the k most probable tokens plus, when it is not among them,
+    the sampled token; TRL sorts each position's entries by rank (`extract_logprobs`), so entry 0 is the most
+    probable token, *not* the sampled one. The sampled token's log-prob is therefore selected by id. NaN log-probs
+    (`None` in TRL's lists) stay `None` for the sampled token (TRL turns them into NaN and neutralizes them) and
+    become absent (`-inf`) entries of the head.
+
+    Args:
+        completion_ids: ``B`` lists of sampled token ids.
+        logprobs: ``B x T_i x n`` lists (``n`` = k or k+1), sorted by rank.
+        logprob_token_ids: the token ids of those entries, same shape.
+        k: head size.
+
+    Returns:
+        ``(sampled, recorded)``: ``B`` lists of the sampled tokens' log-probs (float or `None`), and a
+        `RecordedTopK` with ``[B, T_max, k]`` head ids and log-probs and ``[B, T_max]`` sampled log-probs.
+    """
+    if logprobs is None or logprob_token_ids is None:
+        raise ValueError("score centering with vLLM needs the engine's log-probs; vLLM returned none")
+    B = len(completion_ids)
+    T = max((len(c) for c in completion_ids), default=0)
+    ids = torch.zeros(B, T, k, dtype=torch.long)
+    head = torch.full((B, T, k), float("-inf"))
+    sampled_t = torch.full((B, T), float("-inf"))
+    sampled = []
+    for b, tokens in enumerate(completion_ids):
+        row = []
+        for t, token in enumerate(tokens):
+            entry_ids, entry_lps = logprob_token_ids[b][t], logprobs[b][t]
+            try:
+                j = entry_ids.index(token)
+            except ValueError:
+                raise ValueError(
+                    f"vLLM's log-probs for sequence {b}, position {t} do not include the sampled token {token}; "
+                    "cannot select its log-prob"
+                ) from None
+            row.append(entry_lps[j])
+            if entry_lps[j] is not None:
+                sampled_t[b, t] = entry_lps[j]
+            for i, (tid, lp) in enumerate(zip(entry_ids[:k], entry_lps[:k])):
+                ids[b, t, i] = tid
+                if lp is not None:
+                    head[b, t, i] = lp
+        sampled.append(row)
+    return sampled, RecordedTopK(ids, head, sampled_t)
+
+
+@contextmanager
+def vllm_max_logprobs(n: int):
+    """While TRL builds its colocated `vllm.LLM`, ask it to keep up to `n` log-probs per token (vLLM's default
+    `max_logprobs` is 20; `logprobs=k` returns up to k+1 entries)."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    original = getattr(vllm_generation, "LLM", None)
+    if original is None:  # vLLM is not installed: TRL raises its own ImportError when it needs it
+        yield
+        return
+
+    def llm_with_logprobs(*args, **kwargs):
+        kwargs["max_logprobs"] = max(n, kwargs.get("max_logprobs") or 0)
+        return original(*args, **kwargs)
+
+    vllm_generation.LLM = llm_with_logprobs
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = original

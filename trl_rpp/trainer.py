@@ -7,6 +7,7 @@ import textwrap
 
 import torch
 from trl import GRPOTrainer
+from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 
 from .config import RPPConfig
@@ -22,7 +23,13 @@ from .core import (
     score_centering_coefficients,
 )
 from .rewards import check_module_rewards, check_prompt_column, guard_reward_func
-from .sampling import SamplerTopKCapture, capturing_generate, check_exact_sampling
+from .sampling import (
+    SamplerTopKCapture,
+    capturing_generate,
+    check_exact_sampling,
+    parse_vllm_topk,
+    vllm_max_logprobs,
+)
 
 
 def _as_list(x):
@@ -70,8 +77,11 @@ class RPPTrainer(GRPOTrainer):
     4. **Metrics.** `advantages/*`, `returns/*`, `ref_kl/k1_mean`, `ppo_kl`, `kl_loss`, `policy_loss`, reduced across
        processes (see `docs/metrics.md`), next to GRPO's own.
     5. **Model card.** Named "REINFORCE++" with the REINFORCE++ citation and tags.
-    6. **Score centering** (`score_centering=True`, off by default). The top-k ids and log-probs of the sampling
-       distribution are recorded inside transformers' `generate` (`trl_rpp.sampling`), and the loss becomes
+    6. **vLLM.** With `use_vllm=True`, GRPO's generation and its importance-sampling ratio are kept; the ratio weights
+       each token's loss as in GRPO.
+    7. **Score centering** (`score_centering=True`, off by default). The top-k ids and log-probs of the sampling
+       distribution are recorded inside transformers' `generate` (`trl_rpp.sampling`) or requested from vLLM with
+       `logprobs=k` (the sampled token's log-prob then selected by id), and the loss becomes
        `score_centered_ppo_loss`: the same clipped surrogate with every valid token's score centered. The loss
        forward then materializes the completion logits (to read the trainer's log-probs at the sampler's head ids)
        instead of GRPO's fused log-prob head. Extra metrics: `score_centering/*`.
@@ -111,10 +121,14 @@ class RPPTrainer(GRPOTrainer):
         # GRPO builds the reference (a frozen copy, or the disabled/"ref" adapter under PEFT) iff beta != 0.
         # Borrow that code path while constructing; beta is never used in the RPP loss.
         args.beta = 1.0 if self._rpp_needs_ref else 0.0
+        k = args.score_centering_top_k
         try:
-            super().__init__(model, reward_funcs, args, **kwargs)
+            with vllm_max_logprobs(k + 1 if args.score_centering and args.use_vllm else 0):
+                super().__init__(model, reward_funcs, args, **kwargs)
         finally:
             args.beta = 0.0
+        if args.score_centering and args.use_vllm:
+            self.vllm_generation.logprobs = k  # top-k per token, plus the sampled token when outside them
         self.beta = 0.0
         self._rpp_rewards_per_func = None
         self._rpp_capture = None
@@ -138,6 +152,8 @@ class RPPTrainer(GRPOTrainer):
                     f"score_centering=True does not support {name}: the sampler's top-k log-probs are captured "
                     "token by token inside a single text `generate` call."
                 )
+        if self.use_vllm:
+            return  # vLLM samples with the config's settings, already checked by RPPConfig
         # The model's own generation config also shapes q: check what `generate` will actually use.
         model = self.accelerator.unwrap_model(self.model)
         merged = {**model.generation_config.to_dict(), **self.generation_kwargs}
@@ -190,14 +206,39 @@ class RPPTrainer(GRPOTrainer):
         self._rpp_rewards_per_func = rewards_per_func
         return rewards_per_func
 
-    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
         if not self.args.score_centering:
-            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
+        if self.use_vllm:
+            return self._generate_vllm_with_topk(prompt_ids, images, num_generations)
         capture = SamplerTopKCapture(self.args.score_centering_top_k, self.temperature)
         with capturing_generate(self.accelerator.unwrap_model(self.model_wrapped), capture):
-            out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
         self._rpp_capture = capture
         return out
+
+    def _generate_vllm_with_topk(self, prompt_ids, images, num_generations):
+        """GRPO's vLLM branch, keeping the top-k lists and selecting the sampled token's log-prob by id."""
+        if self.state.global_step != self._last_loaded_step:
+            with profiling_context(self, "sync_weights"):
+                self.vllm_generation.sync_weights()
+            self._last_loaded_step = self.state.global_step
+        _, completion_ids, logprobs, token_ids = self.vllm_generation.generate(
+            prompts=prompt_ids, images=images, num_generations=num_generations,
+            profiler=profiling_context(self, "vLLM.generate"),
+        )
+        sampled, self._rpp_capture = parse_vllm_topk(completion_ids, logprobs, token_ids, self.args.score_centering_top_k)
+        return completion_ids, sampled
+
+    def _importance_weight_fn(self):
+        """TRL's token-level sampler correction as a function of the ratio (None when it is off)."""
+        if not (self.use_vllm and self.vllm_importance_sampling_correction):
+            return None
+        lo = self.vllm_importance_sampling_clip_min if self.vllm_importance_sampling_clip_min is not None else -float("inf")
+        hi = self.vllm_importance_sampling_clip_max if self.vllm_importance_sampling_clip_max is not None else float("inf")
+        if self.vllm_importance_sampling_mode == "token_truncate":
+            return lambda x: x.clamp(min=lo, max=hi)
+        return lambda x: torch.where((x >= lo) & (x <= hi), x, torch.zeros_like(x))  # token_mask
 
     def _forward_logps(self, model, batch, **extra):
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -344,14 +385,17 @@ class RPPTrainer(GRPOTrainer):
         else:
             advantages = inputs["advantages"]
 
+        # TRL's vLLM sampler correction (when on) weights each token's loss, as in GRPO.
+        is_weights = inputs.get("importance_sampling_ratio")
         if args.score_centering:
             policy_loss = score_centered_ppo_loss(
                 logps, old_logps, advantages, mask, head_logps, inputs["sampler_head_logps"],
-                self.epsilon_low, self.epsilon_high,
+                self.epsilon_low, self.epsilon_high, importance_weights=is_weights,
+                weight_fn=self._importance_weight_fn() if is_weights is not None else None,
             )
         else:
             policy_loss = response_mean_ppo_loss(
-                logps, old_logps, advantages, mask, self.epsilon_low, self.epsilon_high
+                logps, old_logps, advantages, mask, self.epsilon_low, self.epsilon_high, importance_weights=is_weights
             )
         loss = policy_loss
         kl_loss = None
