@@ -97,14 +97,8 @@ class SamplerTopKCapture(LogitsProcessor):
         positions; padded entries have id 0 and log-prob ``-inf`` (absent)."""
         if not self.ids:
             raise RuntimeError("score centering: the sampler capture recorded no generation step")
-        ids, logps = torch.stack(self.ids, 1)[:, :length], torch.stack(self.logps, 1)[:, :length]
-        sampled = torch.stack(self.sampled, 1)[:, :length]
-        pad = length - ids.size(1)
-        if pad > 0:
-            ids = torch.nn.functional.pad(ids, (0, 0, 0, pad), value=0)
-            logps = torch.nn.functional.pad(logps, (0, 0, 0, pad), value=float("-inf"))
-            sampled = torch.nn.functional.pad(sampled, (0, pad), value=float("-inf"))
-        return ids, logps, sampled
+        recorded = RecordedTopK(torch.stack(self.ids, 1), torch.stack(self.logps, 1), torch.stack(self.sampled, 1))
+        return recorded.tensors(length)
 
 
 @contextmanager
