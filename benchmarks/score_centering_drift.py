@@ -115,8 +115,8 @@ def main():
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for name, hist in results.items():
         ax.plot(range(len(hist)), hist, label=name.replace("_", " "))
-    ax.set(xlabel="update step (sampler re-synced each step)", ylabel="trainer mass on biased tokens",
-           title=f"sampler = trainer + {opts.bias} logit bias on 3 tokens; A = 1", fontsize=10)
+    ax.set(xlabel="update step (sampler re-synced each step)", ylabel="trainer mass on biased tokens")
+    ax.set_title(f"sampler = trainer + {opts.bias} logit bias on 3 tokens; A = 1", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(opts.out, "score_centering_drift.png"), dpi=120)

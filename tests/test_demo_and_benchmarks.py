@@ -57,3 +57,13 @@ def test_compare_estimators_sweep_runs_and_resumes(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     again = run(args, timeout=600)  # a second start resumes: every finished run is skipped
     assert again.count("done earlier, skipped") == 4
+
+
+def test_score_centering_benchmarks_run_small(tmp_path):
+    out = run(["benchmarks/score_centering_drift.py", "--steps", "3", "--out", str(tmp_path)])
+    assert "score_centered" in out and (tmp_path / "score_centering_drift.png").stat().st_size > 10_000
+    drift = json.loads((tmp_path / "score_centering_drift.json").read_text())
+    assert len(drift["history"]["uncorrected"]) == 4
+    out = run(["benchmarks/score_centering_fidelity.py", "--tiny", "--prompts", "2", "--ks", "1,4",
+               "--max_new_tokens", "8", "--threads", "1", "--out", str(tmp_path)])
+    assert "relative error" in out and (tmp_path / "score_centering_fidelity_tiny.png").stat().st_size > 10_000
