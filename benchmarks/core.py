@@ -4,7 +4,7 @@ Three pairs are timed side by side, alternating within one run (the order flips 
 
   (a) ``trl_rpp.reinforce_pp_returns`` with gamma = 1 (one reversed cumsum) vs. a masked lower-triangular
       ``[T, T]`` matrix of ones applied with one matmul: ``G = r @ L`` with ``L[u, t] = 1[u >= t]``.
-  (b) ``trl_rpp.reinforce_pp_returns`` with gamma < 1 (a backward loop over T of whole-batch vector ops) vs. a
+  (b) ``trl_rpp.reinforce_pp_returns`` with gamma < 1 (its own chunked scan, C = 256) vs. a
       loop-free two-level block scan: inside each block of C positions a ``[C, C]`` discount matrix
       ``D[u, t] = gamma^(u - t) 1[u >= t]``; across the ``T / C`` blocks a second triangular matrix
       ``M[j, k] = gamma^(C (j - k)) 1[j >= k]`` carries the return of the rest of the completion into each block.
@@ -183,7 +183,7 @@ def main():
         ),
         (
             f"(b) returns, gamma={args.gamma:g}",
-            "backward loop",
+            "chunked scan",
             f"block scan C={min(args.block, T)}",
             lambda: trl_rpp.reinforce_pp_returns(rewards, old, ref, mask, kl, args.gamma),
             lambda: returns_block_scan(rewards, old, ref, mask, kl, args.gamma, args.block),

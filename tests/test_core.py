@@ -335,3 +335,18 @@ def test_public_api_is_exported_and_documented():
         fn = getattr(trl_rpp, name)
         assert fn.__doc__ and ("[B" in fn.__doc__ or "[]" in fn.__doc__), name
         assert "self" not in inspect.signature(fn).parameters
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_returns_across_chunk_boundaries_and_long_completions(dtype):
+    # T = 600 spans three 256-position chunks of the loop-free discounted scan (the last one partial).
+    b = make_batch(21, B=2, T=600, dtype=dtype, lengths=[600, 431])
+    for gamma in (0.9, 0.999):
+        got = reinforce_pp_returns(b["rewards"], b["old"], b["ref"], b["mask"], 0.02, gamma)
+        want = ref_reinforce_pp_returns(L(b["rewards"]), L(b["old"]), L(b["ref"]), L(b["mask"]), 0.02, gamma)
+        assert_close(got, want, dtype)
+    # 20k tokens in float32: gamma ** -t would overflow long before; the scan stays finite.
+    mask = torch.ones(1, 20000, dtype=torch.bool)
+    long = reinforce_pp_returns(torch.ones(1), torch.zeros(1, 20000), torch.zeros(1, 20000), mask, 0.0, 0.9)
+    assert torch.isfinite(long).all() and long[0, -1].item() == 1.0
+    assert long[0, -3].item() == pytest.approx(0.81)  # the terminal reward, two positions later: 0.9 ** 2

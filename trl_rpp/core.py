@@ -90,9 +90,9 @@ def reinforce_pp_returns(
     positions, so an internal mask hole adds nothing and does not reset the return. Rows without a valid
     token are all zeros.
 
-    With ``gamma == 1`` this is one reversed cumulative sum. With ``gamma < 1`` it is a backward loop over
-    ``T`` of whole-batch vector operations, ``G_t = r_t + gamma * G_{t+1}``: it never forms ``gamma ** -t``,
-    which overflows for long completions.
+    With ``gamma == 1`` this is one reversed cumulative sum. With ``gamma < 1`` it is a chunked, loop-free scan
+    (`_discounted_returns`) that only forms non-negative powers of ``gamma``: never ``gamma ** -t``, which
+    overflows for long completions.
 
     Args:
         rewards: ``[B]`` terminal rewards ``R_i``.
@@ -134,12 +134,38 @@ def reinforce_pp_returns(
     if gamma == 1.0:
         returns = token_reward.flip(-1).cumsum(-1).flip(-1)
     else:
-        returns = torch.empty_like(token_reward)
-        running = torch.zeros(B, dtype=acc, device=m.device)
-        for t in range(T - 1, -1, -1):
-            running = token_reward[:, t] + gamma * running
-            returns[:, t] = running
+        returns = _discounted_returns(token_reward, gamma)
     return torch.where(m, returns, zero)
+
+
+def _discounted_returns(rewards: torch.Tensor, gamma: float, chunk: int = 256) -> torch.Tensor:
+    """``G_t = sum_{u >= t} gamma^(u - t) r_u`` for ``[B, T]`` rewards, loop-free, with non-negative exponents only.
+
+    Within chunks of ``C`` positions a ``[C, C]`` upper-triangular discount matrix gives the chunk-local returns;
+    the return at the start of each chunk is then carried backwards with a ``[n, n]`` matrix of ``gamma^(C j)``,
+    and position ``t`` of a chunk adds ``gamma^(C - t)`` times the next chunk's start. Powers of ``gamma`` only
+    shrink (``gamma ** -t`` rescaling would overflow for long completions), and underflow to 0 is harmless.
+    """
+    B, T = rewards.shape
+    if T == 0:
+        return rewards.clone()
+    C = min(chunk, T)
+    n = -(-T // C)
+    x = torch.nn.functional.pad(rewards, (0, n * C - T)).view(B, n, C)
+    dtype, device = rewards.dtype, rewards.device
+    pos = torch.arange(C, device=device)
+    lag = pos.unsqueeze(0) - pos.unsqueeze(1)  # lag[t, u] = u - t
+    discount = torch.where(lag >= 0, torch.tensor(gamma, dtype=dtype, device=device) ** lag.clamp(min=0), 0.0)
+    local = x @ discount.T  # [B, n, C]: sum over the chunk's u >= t
+    chunks = torch.arange(n, device=device)
+    chunk_lag = chunks.unsqueeze(0) - chunks.unsqueeze(1)
+    carry = torch.where(
+        chunk_lag >= 0, torch.tensor(gamma, dtype=dtype, device=device) ** (C * chunk_lag.clamp(min=0)), 0.0
+    )
+    starts = local[:, :, 0] @ carry.T  # [B, n]: full return at each chunk's first position
+    following = torch.nn.functional.pad(starts[:, 1:], (0, 1))  # the next chunk's start, 0 after the last
+    to_next = torch.tensor(gamma, dtype=dtype, device=device) ** (C - pos)  # gamma^(C - t)
+    return (local + following.unsqueeze(-1) * to_next).reshape(B, n * C)[:, :T]
 
 
 def group_centered_rewards(
