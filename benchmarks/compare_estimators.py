@@ -29,7 +29,89 @@ import sys
 import time
 
 ARMS = ("rpp", "rpp_baseline", "grpo", "grpo_noscale")
+# Second table: REINFORCE++-baseline under an induced sampler mismatch, with each correction (see `mismatch_trainer`).
+MISMATCH_ARMS = ("mismatch_none", "mismatch_tis", "mismatch_sc")
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def mismatch_trainer(base, correction, sigma, bias_seed=1234):
+    """`base` (RPPTrainer) whose sampler is the trainer plus a fixed logit bias, with one of three corrections.
+
+    The induced mismatch: every logit the sampler sees gets ``+ b[v]``, ``b ~ N(0, sigma^2)`` drawn once per vocabulary
+    id from `bias_seed` (the same for every arm and seed), inside transformers' `generate`, before score centering's
+    capture. The sampler is re-synced to the trainer at every step (it *is* the trainer plus `b`), so a bias the
+    trainer absorbs is copied back: the drift of score_centering.txt. Corrections:
+
+    - ``"none"``: the samples are treated as on-policy;
+    - ``"tis"``: TRL's vLLM importance-sampling correction with its defaults (``sequence_mask``, clip_max 3.0): each
+      sequence's loss is weighted by ``exp(sum_t log p_old - log q)``, or by 0 where that exceeds 3. TRL applies it
+      only with vLLM; this is the same formula on the transformers path, with q recorded during `generate`;
+    - ``"sc"``: score centering (``score_centering=True`` in the config).
+
+    Every arm also runs one no-grad forward per generation batch for the mismatch metrics (``"tis"`` needs it for
+    the ratio anyway), so their step times stay comparable.
+    """
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from trl_rpp.sampling import SamplerTopKCapture, capturing_generate
+
+    class AddFixedBias(LogitsProcessor):
+        def __init__(self):
+            self.bias = None
+
+        def __call__(self, input_ids, scores):
+            if self.bias is None:
+                g = torch.Generator().manual_seed(bias_seed)
+                self.bias = (torch.randn(scores.size(-1), generator=g) * sigma).to(scores.device, scores.dtype)
+            return scores + self.bias
+
+    class MismatchedSamplerTrainer(base):
+        _bias = AddFixedBias()
+
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
+            model = self.accelerator.unwrap_model(self.model_wrapped)
+            plain = model.generate
+
+            def biased(*a, logits_processor=None, **kw):
+                return plain(*a, logits_processor=LogitsProcessorList([self._bias, *(logits_processor or [])]), **kw)
+
+            model.generate = biased
+            try:
+                if self.args.score_centering:  # RPPTrainer's own capture nests inside and sees the biased logits
+                    self._q_capture = None
+                    return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
+                self._q_capture = SamplerTopKCapture(1, self.temperature)
+                with capturing_generate(model, self._q_capture):
+                    return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
+            finally:
+                del model.generate
+
+        def _generate_and_score_completions(self, inputs):
+            batch = super()._generate_and_score_completions(inputs)
+            mask = batch["completion_mask"].bool()
+            T = batch["completion_ids"].size(1)
+            if self._q_capture is not None:
+                q_logps = self._q_capture.tensors(T)[2].to(mask.device)
+            else:
+                q_logps = batch["sampler_per_token_logps"]
+            with torch.no_grad():
+                old, _, _ = self._forward_logps(self.model, batch, batch_size=self.args.per_device_train_batch_size)
+            diff = torch.where(mask, old - q_logps, torch.zeros_like(old))  # log p_old - log q per token
+            mode = "train" if self.model.training else "eval"
+            m = self._metrics[mode]
+            m["mismatch/abs_log_ratio_mean"].append((diff.abs().sum() / mask.sum().clamp(min=1)).item())
+            m["mismatch/seq_log_ratio_mean"].append(diff.sum(-1).mean().item())
+            if correction == "tis":
+                ratio = torch.exp(diff.sum(-1, keepdim=True))  # [B, 1], TRL's sequence-level ratio
+                ratio = torch.where(ratio > 3.0, torch.zeros_like(ratio), ratio)  # sequence_mask, clip_max 3.0
+                batch["old_per_token_logps"] = old
+                batch["importance_sampling_ratio"] = ratio
+                m["mismatch/is_masked_fraction"].append((ratio == 0).float().mean().item())
+            return batch
+
+    MismatchedSamplerTrainer.__name__ = f"MismatchedSampler{correction.upper()}Trainer"
+    return MismatchedSamplerTrainer
 
 
 def run_one(arm, seed, opts):
@@ -79,8 +161,14 @@ def run_one(arm, seed, opts):
         trainer_cls, args = GRPOTrainer, GRPOConfig(**common)
     elif arm == "grpo_noscale":
         trainer_cls, args = GRPOTrainer, GRPOConfig(scale_rewards="none", **common)
+    elif arm in MISMATCH_ARMS:
+        correction = arm.split("_", 1)[1]
+        trainer_cls = mismatch_trainer(RPPTrainer, correction, opts.mismatch_sigma)
+        args = RPPConfig(
+            advantage_estimator="reinforce_plus_plus_baseline", score_centering=correction == "sc", **common
+        )
     else:
-        raise ValueError(f"unknown arm {arm!r}; accepted: {', '.join(ARMS)}")
+        raise ValueError(f"unknown arm {arm!r}; accepted: {', '.join(ARMS + MISMATCH_ARMS)}")
 
     class StepClock(TrainerCallback):
         def __init__(self):
@@ -136,62 +224,123 @@ def t_interval(values):
     return mean, std, t975 * std / math.sqrt(n)
 
 
-def report(opts):
+def _load_runs(opts, arms):
     runs = {}
-    for arm in ARMS:
+    for arm in arms:
         for seed in opts.seeds:
             d = os.path.join(opts.out, arm, f"seed{seed}")
             if os.path.exists(os.path.join(d, "summary.json")):
                 summary = json.load(open(os.path.join(d, "summary.json")))
                 history = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
                 runs[(arm, seed)] = (summary, [h for h in history if "reward" in h])
-    out = dict(arms={}, paired_vs_grpo={})
-    for arm in ARMS:
-        seeds = [s for s in opts.seeds if (arm, s) in runs]
-        if not seeds:
-            continue
-        after = [runs[(arm, s)][0]["heldout_after"] for s in seeds]
-        before = [runs[(arm, s)][0]["heldout_before"] for s in seeds]
-        steps = [t for s in seeds for t in runs[(arm, s)][0]["step_seconds"][1:]]
-        out["arms"][arm] = dict(
-            seeds=seeds, before=t_interval(before), after=t_interval(after),
-            median_step_seconds=sorted(steps)[len(steps) // 2] if steps else None,
-            peak_rss_mib=max(runs[(arm, s)][0]["peak_rss_mib"] for s in seeds),
-        )
-        common = [s for s in seeds if ("grpo", s) in runs]
-        if arm != "grpo" and common:
-            diffs = [runs[(arm, s)][0]["heldout_after"] - runs[("grpo", s)][0]["heldout_after"] for s in common]
-            out["paired_vs_grpo"][arm] = dict(seeds=common, diff=t_interval(diffs))
-    with open(os.path.join(opts.out, "report.json"), "w") as f:
-        json.dump(out, f, indent=2)
-    print(json.dumps(out, indent=2))
+    return runs
 
+
+def _median(values):
+    values = sorted(values)
+    return values[len(values) // 2] if values else None
+
+
+def _series(runs, arm, seed, key):
+    return [h[key] for h in runs[(arm, seed)][1] if h.get(key) is not None]
+
+
+def _aggregate(runs, arms, seeds, control, extra_keys):
+    """Per arm: held-out before/after (mean, std, 95% half-width), step time and memory, stability indicators;
+    and the paired held-out difference against `control` over the seeds both finished."""
+    table, paired = {}, {}
+    for arm in arms:
+        done = [s for s in seeds if (arm, s) in runs]
+        if not done:
+            continue
+        summaries = {s: runs[(arm, s)][0] for s in done}
+        # Step time: first step excluded (warm-up). The ratio to the control is taken per seed, between runs made
+        # back to back on the same machine, then the median over seeds.
+        step = {s: _median(summaries[s]["step_seconds"][1:]) for s in done}
+        ratios = [step[s] / _median(runs[(control, s)][0]["step_seconds"][1:]) for s in done if (control, s) in runs]
+        row = dict(
+            seeds=done,
+            before=t_interval([summaries[s]["heldout_before"] for s in done]),
+            after=t_interval([summaries[s]["heldout_after"] for s in done]),
+            median_step_seconds=_median(list(step.values())),
+            step_time_ratio_to_control=_median(ratios) if ratios else None,
+            step_time_ratio_range=[min(ratios), max(ratios)] if ratios else None,
+            peak_rss_mib=max(summaries[s]["peak_rss_mib"] for s in done),
+        )
+        for key in ("reward", "advantages/std", "frac_reward_zero_std", "grad_norm", "ref_kl/k1_mean", "kl_loss",
+                    "completions/mean_length", *extra_keys):
+            per_seed = [_series(runs, arm, s, key) for s in done]
+            if all(per_seed):
+                flat = [v for series in per_seed for v in series]
+                row[key] = dict(
+                    mean=sum(flat) / len(flat), min=min(flat), max=max(flat),
+                    last_mean=sum(series[-1] for series in per_seed) / len(per_seed),
+                )
+        table[arm] = row
+        common = [s for s in done if (control, s) in runs]
+        if arm != control and common:
+            diffs = [summaries[s]["heldout_after"] - runs[(control, s)][0]["heldout_after"] for s in common]
+            paired[arm] = dict(seeds=common, diff=t_interval(diffs), per_seed=diffs)
+    return table, paired
+
+
+def _plot(runs, arms, seeds, panels, path, title):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("reward", "training reward"), ("completions/mean_length", "completion length"),
-              ("grad_norm", "gradient norm"), ("frac_reward_zero_std", "fraction of zero-variance groups"),
-              ("advantages/std", "normalized-advantage std (RPP)"), ("kl_loss", "k2 KL to reference (baseline)")]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    for ax, (key, title) in zip(axes.flat, panels):
-        for arm in ARMS:
-            curves = [[h.get(key) for h in runs[(arm, s)][1]] for s in opts.seeds if (arm, s) in runs]
+    cols = 3
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(13, 3.3 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (key, name) in zip(axes.flat, panels):
+        for arm in arms:
+            curves = [[h.get(key) for h in runs[(arm, s)][1]] for s in seeds if (arm, s) in runs]
             curves = [c for c in curves if c and all(v is not None for v in c)]
             if not curves:
                 continue
             n = min(len(c) for c in curves)
-            cols = [[c[i] for c in curves] for i in range(n)]
-            mean = [sum(col) / len(col) for col in cols]
-            lo, hi = [min(col) for col in cols], [max(col) for col in cols]
-            ax.plot(range(1, n + 1), mean, label=arm)
-            ax.fill_between(range(1, n + 1), lo, hi, alpha=0.2)
-        ax.set(title=title, xlabel="step")
+            columns = [[c[i] for c in curves] for i in range(n)]
+            mean = [sum(col) / len(col) for col in columns]
+            ax.plot(range(1, n + 1), mean, label=f"{arm} ({len(curves)} seeds)")
+            ax.fill_between(range(1, n + 1), [min(c) for c in columns], [max(c) for c in columns], alpha=0.2)
+        ax.set(title=name, xlabel="step")
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle("mean over seeds, band = min..max across seeds")
+    fig.suptitle(f"{title}: mean over seeds, band = min..max across seeds")
     fig.tight_layout()
-    fig.savefig(os.path.join(opts.out, "curves.png"), dpi=110)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(opts):
+    runs = _load_runs(opts, ARMS + MISMATCH_ARMS)
+    arms, paired = _aggregate(runs, ARMS, opts.seeds, "grpo", ())
+    mismatch, mismatch_paired = _aggregate(
+        runs, MISMATCH_ARMS, opts.seeds, "mismatch_none",
+        ("mismatch/abs_log_ratio_mean", "mismatch/seq_log_ratio_mean", "mismatch/is_masked_fraction"),
+    )
+    out = dict(
+        arms=arms, paired_vs_grpo=paired, mismatch=dict(sigma=opts.mismatch_sigma, arms=mismatch,
+                                                      paired_vs_none=mismatch_paired),
+    )
+    with open(os.path.join(opts.out, "report.json"), "w") as f:
+        json.dump(out, f, indent=2)
+    print(json.dumps(out, indent=2))
+    if arms:
+        _plot(runs, ARMS, opts.seeds, [
+            ("reward", "training reward"), ("completions/mean_length", "completion length"),
+            ("grad_norm", "gradient norm"), ("frac_reward_zero_std", "fraction of zero-variance groups"),
+            ("advantages/std", "normalized-advantage std (RPP arms)"), ("ref_kl/k1_mean", "k1 KL to reference (rpp)"),
+            ("kl_loss", "k2 KL loss to reference (rpp_baseline)"),
+        ], os.path.join(opts.out, "curves.png"), "equal-budget comparison")
+    if mismatch:
+        _plot(runs, MISMATCH_ARMS, opts.seeds, [
+            ("reward", "training reward"), ("mismatch/abs_log_ratio_mean", "mean |log p_old - log q| per token"),
+            ("kl_loss", "k2 KL loss to reference"), ("grad_norm", "gradient norm"),
+            ("completions/mean_length", "completion length"), ("mismatch/is_masked_fraction", "TIS: masked sequences"),
+        ], os.path.join(opts.out, "mismatch_curves.png"), f"sampler = trainer + fixed logit bias (sigma={opts.mismatch_sigma})")
 
 
 def main():
@@ -205,6 +354,7 @@ def main():
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--heldout", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--mismatch_sigma", type=float, default=1.0, help="std of the fixed logit bias (mismatch arms)")
     ap.add_argument("--tiny", action="store_true", help="tiny random-init model and the copy task (smoke runs)")
     ap.add_argument("--run", default=None, help="internal: run one arm in this process")
     ap.add_argument("--seed", type=int, default=None, help="internal: with --run")
@@ -213,11 +363,12 @@ def main():
     opts.seeds = [int(s) for s in str(opts.seeds).split(",")]
     opts.arms = [a for a in opts.arms.split(",")]
     for name in opts.arms:
-        if name not in ARMS:
-            raise ValueError(f"unknown arm {name!r}; accepted: {', '.join(ARMS)}")
+        if name not in ARMS + MISMATCH_ARMS:
+            raise ValueError(f"--arms: unknown arm {name!r}; accepted: {', '.join(ARMS + MISMATCH_ARMS)}")
     opts.passthrough = [
         "--out", opts.out, "--steps", str(opts.steps), "--prompts", str(opts.prompts), "--generations",
         str(opts.generations), "--lr", str(opts.lr), "--heldout", str(opts.heldout), "--threads", str(opts.threads),
+        "--mismatch_sigma", str(opts.mismatch_sigma),
     ] + (["--tiny"] if opts.tiny else [])
     if opts.run:
         run_one(opts.run, opts.seed, opts)

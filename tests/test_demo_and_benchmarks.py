@@ -67,3 +67,24 @@ def test_score_centering_benchmarks_run_small(tmp_path):
     out = run(["benchmarks/score_centering_fidelity.py", "--tiny", "--prompts", "2", "--ks", "1,4",
                "--max_new_tokens", "8", "--threads", "1", "--out", str(tmp_path)])
     assert "relative error" in out and (tmp_path / "score_centering_fidelity_tiny.png").stat().st_size > 10_000
+
+
+def test_compare_estimators_mismatch_arms_run_and_correct_as_documented(tmp_path):
+    args = ["benchmarks/compare_estimators.py", "--tiny", "--seeds", "0", "--steps", "2", "--heldout", "16",
+            "--threads", "1", "--out", str(tmp_path), "--arms", "mismatch_none,mismatch_tis,mismatch_sc"]
+    run(args, timeout=600)
+    rows = {
+        arm: [json.loads(line) for line in (tmp_path / arm / "seed0" / "metrics.jsonl").read_text().splitlines()]
+        for arm in ("mismatch_none", "mismatch_tis", "mismatch_sc")
+    }
+    first = {arm: r[0] for arm, r in rows.items()}
+    # Same seed, same fixed bias: the first generation batch is identical across arms, and the bias is really there
+    # (no bias gives |log p - log q| ~ 1e-6, the kv-cache rounding).
+    gaps = {arm: f["mismatch/abs_log_ratio_mean"] for arm, f in first.items()}
+    assert min(gaps.values()) > 0.05 and max(gaps.values()) - min(gaps.values()) < 1e-5
+    # Score centering's own metric measures the same gap from its capture.
+    assert abs(first["mismatch_sc"]["score_centering/sampler_logp_abs_diff"] - gaps["mismatch_sc"]) < 1e-5
+    assert "mismatch/is_masked_fraction" in first["mismatch_tis"] and "mismatch/is_masked_fraction" not in first["mismatch_none"]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["mismatch"]["arms"]) == {"mismatch_none", "mismatch_tis", "mismatch_sc"}
+    assert (tmp_path / "mismatch_curves.png").stat().st_size > 10_000

@@ -78,3 +78,37 @@ def test_model_generation_config_that_changes_q_is_rejected(tmp_path, tiny_model
             args=make_args(tmp_path, "reinforce_plus_plus_baseline", score_centering=True, reward_weights=None),
             train_dataset=copy_task_dataset(8),
         )
+
+
+def test_capture_nests_under_an_outer_generate_wrapper_and_sees_its_processor(tiny_model):
+    """An outer wrapper (here: a logit bias, as the mismatch benchmark induces) runs before the capture, and each
+    block restores exactly the `generate` it found."""
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    from trl_rpp.sampling import SamplerTopKCapture, capturing_generate
+
+    class Bias(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return scores + torch.arange(scores.size(-1), dtype=scores.dtype)  # favours high ids
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    plain = model.generate
+
+    def biased(*a, logits_processor=None, **kw):
+        return plain(*a, logits_processor=LogitsProcessorList([Bias(), *(logits_processor or [])]), **kw)
+
+    model.generate = biased
+    capture = SamplerTopKCapture(2, 1.0)
+    ids = torch.tensor([[3, 4, 5]])
+    with capturing_generate(model, capture):
+        out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=True, top_k=0, top_p=1.0, pad_token_id=0)
+        assert model.__dict__["generate"] is not biased
+    assert model.__dict__["generate"] is biased  # the outer wrapper is back, not deleted
+    del model.generate
+    assert "generate" not in model.__dict__
+    head_ids, head_logps, sampled = capture.tensors(3)
+    with torch.no_grad():
+        logits = model(input_ids=out).logits[:, 2:-1].float()
+    q = torch.log_softmax(logits + torch.arange(logits.size(-1), dtype=logits.dtype), -1)
+    torch.testing.assert_close(head_logps, q.topk(2, -1).values, atol=1e-5, rtol=1e-5)  # the biased q, not p
+    torch.testing.assert_close(sampled, q.gather(-1, out[:, 3:].unsqueeze(-1)).squeeze(-1), atol=1e-5, rtol=1e-5)

@@ -103,8 +103,12 @@ class SamplerTopKCapture(LogitsProcessor):
 
 @contextmanager
 def capturing_generate(model, capture: SamplerTopKCapture):
-    """Within the block, ``model.generate`` also runs `capture` as its last custom logits processor."""
+    """Within the block, ``model.generate`` also runs `capture` as its last custom logits processor.
+
+    Nests: a ``generate`` already wrapped on the instance (by an outer block) is called through and restored on exit.
+    """
     original = model.generate
+    shadowed = model.__dict__.get("generate")
 
     def generate(*args, **kwargs):
         processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
@@ -118,7 +122,10 @@ def capturing_generate(model, capture: SamplerTopKCapture):
     try:
         yield capture
     finally:
-        del model.generate
+        if shadowed is None:
+            del model.generate
+        else:
+            model.generate = shadowed
 
 
 # ----------------------------------------------------------------------------------------------------------------
