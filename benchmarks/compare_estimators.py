@@ -314,6 +314,79 @@ def _plot(runs, arms, seeds, panels, path, title):
     plt.close(fig)
 
 
+def _fmt_interval(iv, digits=3):
+    mean, std, half = iv
+    if std is None:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {std:.{digits}f} [{mean - half:.{digits}f}, {mean + half:.{digits}f}]"
+
+
+def _markdown(out):
+    """The report's tables as markdown: docs/evidence.md copies them verbatim."""
+    lines = []
+
+    def table(title, arms, paired, control):
+        lines.extend([
+            f"### {title}", "",
+            "Held-out accuracy: mean ± std [95% t interval] over seeds. Paired difference: arm minus "
+            f"`{control}`, same seed.", "",
+            f"| arm | seeds | held-out before | held-out after | after − {control} (paired) |",
+            "|---|---|---|---|---|",
+        ])
+        for arm, row in arms.items():
+            diff = _fmt_interval(paired[arm]["diff"]) if arm in paired else "—"
+            lines.append(f"| `{arm}` | {len(row['seeds'])} | {_fmt_interval(row['before'])} | "
+                         f"{_fmt_interval(row['after'])} | {diff} |")
+        lines.append("")
+
+    def stability(arms, keys):
+        lines.extend([
+            "Per-step indicators: mean over all steps and seeds (min..max over steps and seeds).", "",
+            "| arm | " + " | ".join(name for _, name in keys) + " |",
+            "|---|" + "---|" * len(keys),
+        ])
+        for arm, row in arms.items():
+            cells = []
+            for key, _ in keys:
+                v = row.get(key)
+                fmt = ".6f" if key == "advantages/std" else ".3g"  # how close to 1 it stays is the point
+                cells.append(f"{v['mean']:{fmt}} ({v['min']:{fmt}}..{v['max']:{fmt}})" if v else "—")
+            lines.append(f"| `{arm}` | " + " | ".join(cells) + " |")
+        lines.append("")
+
+    def cost(arms, control):
+        lines.extend([
+            f"| arm | median s/step | s/step ÷ `{control}` (median over seeds, range) | peak RSS MiB |",
+            "|---|---|---|---|",
+        ])
+        for arm, row in arms.items():
+            r, rng = row["step_time_ratio_to_control"], row["step_time_ratio_range"]
+            ratio = f"{r:.2f} ({rng[0]:.2f}..{rng[1]:.2f})" if r is not None else "—"
+            lines.append(f"| `{arm}` | {row['median_step_seconds']:.1f} | {ratio} | {row['peak_rss_mib']:.0f} |")
+        lines.append("")
+
+    if out["arms"]:
+        table("Equal-budget comparison", out["arms"], out["paired_vs_grpo"], "grpo")
+        stability(out["arms"], [
+            ("reward", "training reward"), ("advantages/std", "normalized-advantage std"),
+            ("frac_reward_zero_std", "zero-variance groups"), ("grad_norm", "grad norm"),
+            ("ref_kl/k1_mean", "k1 KL to ref"), ("kl_loss", "k2 KL loss"),
+            ("completions/mean_length", "completion length"),
+        ])
+        cost(out["arms"], "grpo")
+    mm = out["mismatch"]
+    if mm["arms"]:
+        table(f"Sampler mismatch (fixed logit bias, sigma = {mm['sigma']})", mm["arms"], mm["paired_vs_none"],
+              "mismatch_none")
+        stability(mm["arms"], [
+            ("reward", "training reward"), ("mismatch/abs_log_ratio_mean", "mean abs log p_old − log q"),
+            ("mismatch/is_masked_fraction", "TIS masked sequences"), ("kl_loss", "k2 KL loss"),
+            ("grad_norm", "grad norm"), ("completions/mean_length", "completion length"),
+        ])
+        cost(mm["arms"], "mismatch_none")
+    return "\n".join(lines)
+
+
 def report(opts):
     runs = _load_runs(opts, ARMS + MISMATCH_ARMS)
     arms, paired = _aggregate(runs, ARMS, opts.seeds, "grpo", ())
@@ -327,7 +400,9 @@ def report(opts):
     )
     with open(os.path.join(opts.out, "report.json"), "w") as f:
         json.dump(out, f, indent=2)
-    print(json.dumps(out, indent=2))
+    with open(os.path.join(opts.out, "report.md"), "w") as f:
+        f.write(_markdown(out))
+    print(_markdown(out))
     if arms:
         _plot(runs, ARMS, opts.seeds, [
             ("reward", "training reward"), ("completions/mean_length", "completion length"),

@@ -7,14 +7,14 @@ gathered raw rewards, so the parent test can rebuild the global population and c
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from test_trainer import CaptureTrainer, length_reward  # noqa: E402
-from trl_rpp import RPPConfig  # noqa: E402
+from test_trainer import CaptureTrainer, length_reward, make_args  # noqa: E402
 from trl_rpp.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
 
 
@@ -27,22 +27,9 @@ def main(outdir, model_path, estimator, mode="groups"):
 
         dataset = Dataset.from_list([{"prompt": "b:" if i % 2 == 0 else "a:"} for i in range(64)])
         extra.update(mask_truncated_completions=True, shuffle_dataset=False, num_generations=4)
-    args = RPPConfig(
-        output_dir=os.path.join(outdir, "out"),
-        advantage_estimator=estimator,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=4,
+    args = make_args(
+        Path(outdir), estimator, gradient_accumulation_steps=1, steps_per_generation=1, max_steps=2,
         num_generations=extra.pop("num_generations", 8),  # by default one group of 8 straddles the two processes
-        max_completion_length=4,
-        max_steps=2,
-        learning_rate=1e-2,
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        disable_dropout=True,
-        reward_weights=[1.0, 0.5],
         **extra,
     )
     trainer = CaptureTrainer(

@@ -69,6 +69,7 @@ def test_score_centering_benchmarks_run_small(tmp_path):
     assert "relative error" in out and (tmp_path / "score_centering_fidelity_tiny.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_compare_estimators_mismatch_arms_run_and_correct_as_documented(tmp_path):
     args = ["benchmarks/compare_estimators.py", "--tiny", "--seeds", "0", "--steps", "2", "--heldout", "16",
             "--threads", "1", "--out", str(tmp_path), "--arms", "mismatch_none,mismatch_tis,mismatch_sc"]

@@ -7,23 +7,17 @@ import warnings
 import pytest
 import torch
 
-from test_trainer import CaptureTrainer, length_reward, make_args, tiny_model  # noqa: F401 (fixture)
+from test_trainer import (  # noqa: F401 (fixture)
+    CaptureTrainer,
+    initial_model_logp_all,
+    length_reward,
+    make_args,
+    tiny_model,
+)
 from trl_rpp import RPPTrainer
 from trl_rpp.tiny import copy_first_char_reward, copy_task_dataset
 
 warnings.filterwarnings("ignore", category=FutureWarning)
-
-
-def forward_logp_all(model_path, batch, temperature):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    T = batch["completion_ids"].size(1)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, -T - 1 : -1]
-    return torch.log_softmax(logits.float() / temperature, -1)
 
 
 @pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
@@ -41,7 +35,7 @@ def test_capture_matches_a_separate_forward_and_training_runs(tmp_path, tiny_mod
     # The first generation batch was sampled by the initial weights: recompute q at temperature 0.7 separately.
     batch = trainer.generation_batches[0]
     mask = batch["completion_mask"].bool()
-    logq = forward_logp_all(tiny_model, batch, 0.7)
+    logq = initial_model_logp_all(tiny_model, batch, 0.7, dtype=torch.float32)
     B, T = mask.shape
     assert batch["sampler_head_ids"].shape == (B, T, k) and batch["sampler_head_logps"].shape == (B, T, k)
     want_top = logq.topk(k, dim=-1)

@@ -77,8 +77,8 @@ def make_args(tmp_path, estimator, **kw):
     return RPPConfig(**base)
 
 
-def initial_model_logps(model_path, batch, temperature):
-    """log pi_init(token) at the completion positions, from a fresh load of the initial weights."""
+def initial_model_logp_all(model_path, batch, temperature, dtype=torch.float64):
+    """``[B, T, V]`` log-softmax of the initial weights (fresh load) at the completion positions, at `temperature`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -86,8 +86,14 @@ def initial_model_logps(model_path, batch, temperature):
     attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     T = batch["completion_ids"].size(1)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, -T - 1 : -1].double() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, -T - 1 : -1].to(dtype)
+    return torch.log_softmax(logits / temperature, -1)
+
+
+def initial_model_logps(model_path, batch, temperature):
+    """log pi_init(token) ``[B, T]`` at the completion positions, in float64."""
+    logp_all = initial_model_logp_all(model_path, batch, temperature)
+    return logp_all.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
 
 
 def rows_key(batch, i):
