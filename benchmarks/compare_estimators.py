@@ -304,8 +304,9 @@ def _plot(runs, arms, seeds, panels, path, title):
             n = min(len(c) for c in curves)
             columns = [[c[i] for c in curves] for i in range(n)]
             mean = [sum(col) / len(col) for col in columns]
-            ax.plot(range(1, n + 1), mean, label=f"{arm} ({len(curves)} seeds)")
-            ax.fill_between(range(1, n + 1), [min(c) for c in columns], [max(c) for c in columns], alpha=0.2)
+            color = f"C{arms.index(arm)}"  # one colour per arm in every panel
+            ax.plot(range(1, n + 1), mean, color=color, label=f"{arm} ({len(curves)} seeds)")
+            ax.fill_between(range(1, n + 1), [min(c) for c in columns], [max(c) for c in columns], color=color, alpha=0.2)
         ax.set(title=name, xlabel="step")
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"{title}: mean over seeds, band = min..max across seeds")
