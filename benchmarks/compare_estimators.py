@@ -382,8 +382,9 @@ def _markdown(out):
               "mismatch_none")
         stability(mm["arms"], [
             ("reward", "training reward"), ("mismatch/abs_log_ratio_mean", "mean abs log p_old − log q"),
-            ("mismatch/is_masked_fraction", "TIS masked sequences"), ("kl_loss", "k2 KL loss"),
-            ("grad_norm", "grad norm"), ("completions/mean_length", "completion length"),
+            ("mismatch/is_masked_fraction", "TIS masked sequences"), ("score_centering/coeff_l1", "SC coefficient L1"),
+            ("entropy", "entropy"), ("kl_loss", "k2 KL loss"), ("grad_norm", "grad norm"),
+            ("completions/mean_length", "completion length"),
         ])
         # Not the reference row: it ran in the other sweep, not back to back with these.
         cost({a: r for a, r in mm["arms"].items() if a in MISMATCH_ARMS}, "mismatch_none")
@@ -398,7 +399,8 @@ def report(opts):
     mm_arms = ("rpp_baseline",) + MISMATCH_ARMS
     mismatch, mismatch_paired = _aggregate(
         runs, mm_arms, mm_seeds, "mismatch_none",
-        ("mismatch/abs_log_ratio_mean", "mismatch/seq_log_ratio_mean", "mismatch/is_masked_fraction"),
+        ("mismatch/abs_log_ratio_mean", "mismatch/seq_log_ratio_mean", "mismatch/is_masked_fraction", "entropy",
+         "score_centering/coeff_l1"),
     )
     out = dict(
         arms=arms, paired_vs_grpo=paired, mismatch=dict(sigma=opts.mismatch_sigma, arms=mismatch,
