@@ -10,6 +10,10 @@ Arms (same prompts per step, generations per prompt, steps, learning rate, LoRA 
 - `grpo`: `trl.GRPOTrainer` with its defaults (loss_type "dapo", scale_rewards "group", beta 0);
 - `grpo_noscale`: the same with `scale_rewards="none"`.
 
+Second table (`--arms mismatch_none,mismatch_tis,mismatch_sc`): REINFORCE++-baseline with a sampler that adds a fixed
+`N(0, sigma^2)` bias to every logit, uncorrected, with TRL's importance-sampling correction, or with score
+centering (see `mismatch_trainer`).
+
 Every (arm, seed) runs in its own process, so each has its own peak RSS, and the sweep visits the arms in turn
 for each seed so that machine load hits them alike. A run that finished left `summary.json` in
 `<out>/<arm>/seed<k>/` and is skipped when the sweep is started again, so a long sweep can run in pieces. Raw
