@@ -209,6 +209,25 @@ def test_centered_ppo_equals_plain_ppo_on_policy():
     torch.testing.assert_close(gc, gp, rtol=1e-10, atol=1e-13)
 
 
+def trainer_and_sampler(seed, V, k, noise):
+    """Trainer logits ``z`` (float64, with grad) over ``V`` tokens, log p, a sampler log q = log_softmax(z + noise *
+    N(0, 1)), and the sampler's top-``k`` head ids."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True)
+    zq = z.detach() + noise * torch.randn(V, generator=g, dtype=torch.float64)
+    logp, logq = torch.log_softmax(z, -1), torch.log_softmax(zq, -1)
+    return z, logp, logq, torch.topk(logq, k).indices
+
+
+def modelled_sampler(logp, logq, head):
+    """q_hat over the full vocabulary: q on the head, the trainer's tail rescaled by rho elsewhere."""
+    p, q = logp.detach().exp(), logq.exp()
+    in_head = torch.zeros(p.numel(), dtype=torch.bool)
+    in_head[head] = True
+    rho = (1 - q[in_head].sum()) / (1 - p[in_head].sum())
+    return torch.where(in_head, q, rho * p)
+
+
 TRUNCATE = lambda x: x.clamp(max=1.5)  # noqa: E731  (TRL's token_truncate with clip_max=1.5)
 MASK = lambda x: torch.where(x <= 1.5, x, torch.zeros_like(x))  # noqa: E731  (token_mask with clip_max=1.5)
 
@@ -218,19 +237,10 @@ MASK = lambda x: torch.where(x <= 1.5, x, torch.zeros_like(x))  # noqa: E731  (t
 def test_weighted_correction_is_the_expected_weighted_score_under_q_hat(f, k):
     """With an importance weight f on the sampled token's score, the correction's gradient w.r.t. the logits is
     E_q_hat[f(p/q_hat) (e_v - p)], computed here explicitly over the full vocabulary (k = V = 40 is exact q)."""
-    g = torch.Generator().manual_seed(7)
-    V = 40
-    z = torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True)
-    zq = z.detach() + 0.5 * torch.randn(V, generator=g, dtype=torch.float64)
-    logp, logq = torch.log_softmax(z, -1), torch.log_softmax(zq, -1)
-    head = torch.topk(logq, k).indices
+    z, logp, logq, head = trainer_and_sampler(seed=7, V=40, k=k, noise=0.5)
     corr = score_centering_correction(logp[head].view(1, 1, k), logq[head].view(1, 1, k), torch.ones(1, 1), weight_fn=f)
     corr.sum().backward()
-    p, q = logp.detach().exp(), logq.exp()
-    in_head = torch.zeros(V, dtype=torch.bool)
-    in_head[head] = True
-    rho = (1 - q[in_head].sum()) / (1 - p[in_head].sum())
-    q_hat = torch.where(in_head, q, rho * p)
+    p, q_hat = logp.detach().exp(), modelled_sampler(logp, logq, head)
     weights = q_hat * f(p / q_hat)
     want = weights - weights.sum() * p  # sum_v q_hat_v f(p_v/q_hat_v) (e_v - p)
     torch.testing.assert_close(z.grad, want, rtol=1e-9, atol=1e-12)
@@ -239,23 +249,15 @@ def test_weighted_correction_is_the_expected_weighted_score_under_q_hat(f, k):
 def test_importance_weight_scales_the_surrogate_but_not_the_correction():
     from trl_rpp import score_centered_ppo_loss
 
-    g = torch.Generator().manual_seed(8)
     V, k, y, A = 30, 6, 2, 1.3
-    z = torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True)
-    zq = z.detach() + 0.3 * torch.randn(V, generator=g, dtype=torch.float64)
-    logp, logq = torch.log_softmax(z, -1), torch.log_softmax(zq, -1)
-    head = torch.topk(logq, k).indices
+    z, logp, logq, head = trainer_and_sampler(seed=8, V=V, k=k, noise=0.3)
     w_is = TRUNCATE(torch.exp(logp.detach()[y] - logq[y])).view(1, 1)
     loss = score_centered_ppo_loss(
         logp[y].view(1, 1), logp.detach()[y].view(1, 1), torch.tensor([[A]], dtype=torch.float64), torch.ones(1, 1),
         logp[head].view(1, 1, k), logq[head].view(1, 1, k), importance_weights=w_is, weight_fn=TRUNCATE,
     )
     loss.backward()
-    p, q = logp.detach().exp(), logq.exp()
-    in_head = torch.zeros(V, dtype=torch.bool)
-    in_head[head] = True
-    rho = (1 - q[in_head].sum()) / (1 - p[in_head].sum())
-    q_hat = torch.where(in_head, q, rho * p)
+    p, q_hat = logp.detach().exp(), modelled_sampler(logp, logq, head)
     weights = q_hat * TRUNCATE(p / q_hat)
     e_y = torch.zeros(V, dtype=torch.float64)
     e_y[y] = 1
