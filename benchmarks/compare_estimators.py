@@ -56,9 +56,9 @@ def mismatch_trainer(base, correction, sigma, bias_seed=1234):
     the ratio anyway), so their step times stay comparable.
     """
     import torch
-    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessor
 
-    from trl_rpp.sampling import SamplerTopKCapture, capturing_generate
+    from trl_rpp.sampling import SamplerTopKCapture, capturing_generate, generate_with_processor
 
     class AddFixedBias(LogitsProcessor):
         def __init__(self):
@@ -75,21 +75,13 @@ def mismatch_trainer(base, correction, sigma, bias_seed=1234):
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
             model = self.accelerator.unwrap_model(self.model_wrapped)
-            plain = model.generate
-
-            def biased(*a, logits_processor=None, **kw):
-                return plain(*a, logits_processor=LogitsProcessorList([self._bias, *(logits_processor or [])]), **kw)
-
-            model.generate = biased
-            try:
+            with generate_with_processor(model, self._bias, first=True):
                 if self.args.score_centering:  # RPPTrainer's own capture nests inside and sees the biased logits
                     self._q_capture = None
                     return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
                 self._q_capture = SamplerTopKCapture(1, self.temperature)
                 with capturing_generate(model, self._q_capture):
                     return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
-            finally:
-                del model.generate
 
         def _generate_and_score_completions(self, inputs):
             batch = super()._generate_and_score_completions(inputs)

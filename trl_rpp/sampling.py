@@ -102,8 +102,9 @@ class SamplerTopKCapture(LogitsProcessor):
 
 
 @contextmanager
-def capturing_generate(model, capture: SamplerTopKCapture):
-    """Within the block, ``model.generate`` also runs `capture` as its last custom logits processor.
+def generate_with_processor(model, processor: LogitsProcessor, first: bool = False, after=None):
+    """Within the block, ``model.generate`` also runs `processor`, last among the custom logits processors (or first
+    with ``first=True``), and calls ``after(sequences)`` once generation returns.
 
     Nests: a ``generate`` already wrapped on the instance (by an outer block) is called through and restored on exit.
     """
@@ -111,21 +112,27 @@ def capturing_generate(model, capture: SamplerTopKCapture):
     shadowed = model.__dict__.get("generate")
 
     def generate(*args, **kwargs):
-        processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
-        processors.append(capture)
+        given = list(kwargs.pop("logits_processor", None) or [])
+        processors = LogitsProcessorList([processor, *given] if first else [*given, processor])
         out = original(*args, logits_processor=processors, **kwargs)
-        sequences = out if torch.is_tensor(out) else out.sequences
-        capture.finish(sequences[:, -1])
+        if after is not None:
+            after(out if torch.is_tensor(out) else out.sequences)
         return out
 
     model.generate = generate
     try:
-        yield capture
+        yield processor
     finally:
         if shadowed is None:
             del model.generate
         else:
             model.generate = shadowed
+
+
+def capturing_generate(model, capture: SamplerTopKCapture):
+    """Within the block, ``model.generate`` also runs `capture` as its last custom logits processor (nests, see
+    `generate_with_processor`)."""
+    return generate_with_processor(model, capture, after=lambda sequences: capture.finish(sequences[:, -1]))
 
 
 # ----------------------------------------------------------------------------------------------------------------
