@@ -46,7 +46,9 @@ def check_dataset_not_empty(dataset, name: str) -> None:
 
 
 # Rewards are held as float32 by the trainer (TRL builds the `[B, F]` table with `dtype=torch.float32`).
-_ACCEPTED = "a real number (bool, int, float, a NumPy scalar or a one-element tensor), or None for a completion it cannot score"
+_ACCEPTED = (
+    "a real number (bool, int, float, a NumPy scalar or a one-element tensor), or None for a completion it cannot score"
+)
 
 
 def _as_float(value):
