@@ -22,7 +22,7 @@ from .core import (
     score_centered_ppo_loss,
     score_centering_coefficients,
 )
-from .rewards import check_module_rewards, check_prompt_column, guard_reward_func
+from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_func
 from .sampling import (
     SamplerTopKCapture,
     capturing_generate,
@@ -114,6 +114,7 @@ class RPPTrainer(GRPOTrainer):
             # Checked before any model is loaded: a missing column would otherwise fail at the first batch.
             check_prompt_column(train_dataset, "train_dataset")
             check_prompt_column(eval_dataset, "eval_dataset")
+        check_dataset_not_empty(train_dataset, "train_dataset")
         if reward_funcs is not None:
             reward_funcs = [guard_reward_func(f, args.nonfinite_rewards) for f in _as_list(reward_funcs)]
         kwargs.update(train_dataset=train_dataset, eval_dataset=eval_dataset)
