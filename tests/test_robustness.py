@@ -142,13 +142,11 @@ def test_length_one_and_truncated_completions(tmp_path, tiny_model, estimator):
     trainer.train()
     for batch in trainer.generation_batches:
         assert batch["completion_ids"].shape[1] == 1 and batch["completion_mask"].all()
-    # With masking of truncated completions, a batch where some rows are masked still trains.
+    # With masking of truncated completions, a batch where some rows are masked still trains (a batch where all
+    # are masked is a zero-advantage step: test_every_completion_masked_is_a_zero_advantage_step).
     trainer = build(tmp_path, tiny_model, copy_first_char_reward, estimator, max_completion_length=8,
                     mask_truncated_completions=True, max_steps=6)
-    try:
-        trainer.train()
-    except RuntimeError as err:  # every completion of a generation batch truncated: the spec's empty population
-        assert "no valid token on any process" in str(err)
+    trainer.train()
     for batch in trainer.generation_batches:
         m = batch["completion_mask"].bool()
         assert torch.equal(batch["advantages"][~m], torch.zeros_like(batch["advantages"][~m]))
@@ -185,3 +183,95 @@ def test_nonfinite_reward_model_scores_are_rejected(tmp_path, tiny_model):
     )
     with pytest.raises(ValueError, match=r"reward model '.*' returned nan for row 0"):
         trainer.train()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Empty generation batch: no valid token anywhere -> a zero-advantage step, a metric and a warning with the cause
+# ----------------------------------------------------------------------------------------------------------------
+
+# (estimator, path): REINFORCE++ builds its returns at generation (steps_per_generation=2) or in the loss
+# ("deferred": one micro-batch per generation batch); the baseline always builds them at generation.
+EMPTY_CASES = [
+    ("reinforce_plus_plus", "deferred"),
+    ("reinforce_plus_plus", "generation"),
+    ("reinforce_plus_plus_baseline", "generation"),
+]
+ONE_MICRO_BATCH = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, steps_per_generation=1)
+
+
+def all_unscorable(prompts, completions, **kw):
+    return [None] * len(completions)
+
+
+def initial_parameters(path):
+    from transformers import AutoModelForCausalLM
+
+    return dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+
+
+def run_empty(tmp_path, tiny_model, estimator, path, reward, match, **kw):
+    """Two steps on generation batches with no valid token. No KL loss: the policy loss is the only loss, so the
+    parameters must come out bit-identical (zero gradients; AdamW's moments stay 0, no weight decay)."""
+    if path == "deferred":
+        kw.update(ONE_MICRO_BATCH)
+    trainer = build(tmp_path, tiny_model, reward, estimator, use_kl_loss=False, **kw)
+    watch = NaNWatch()
+    trainer.add_callback(watch)
+    with pytest.warns(RuntimeWarning, match=match):
+        trainer.train()
+    assert watch.steps == 2
+    assert ("rpp_rewards" in trainer.loss_inputs[0]) == (path == "deferred")  # the intended path was taken
+    for inputs in trainer.loss_inputs:
+        assert torch.equal(inputs["advantages"], torch.zeros_like(inputs["advantages"]))
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    for h in logs:
+        assert h["advantages/empty_batch"] == 1.0 and h["advantages/valid_tokens"] == 0.0
+        assert h["policy_loss"] == 0.0 and h["grad_norm"] == 0.0
+        if estimator == "reinforce_plus_plus":
+            assert h["returns/max"] == 0.0 and h["returns/min"] == 0.0
+    before = initial_parameters(tiny_model)
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+    return trainer
+
+
+@pytest.mark.parametrize("estimator,path", EMPTY_CASES)
+def test_every_reward_unscorable_is_a_zero_advantage_step(tmp_path, tiny_model, estimator, path):
+    """A reward server that is down for a step (None for every row): GRPOTrainer warns and takes a zero-gradient
+    step; so does RPPTrainer, instead of the normalization's empty-population assertion."""
+    run_empty(tmp_path, tiny_model, estimator, path, all_unscorable, r"every reward function returned None")
+
+
+@pytest.mark.parametrize("estimator,path", EMPTY_CASES)
+def test_every_completion_masked_is_a_zero_advantage_step(tmp_path, tiny_model, estimator, path):
+    """Every completion truncated under mask_truncated_completions=True (EOS and pad suppressed, so none ends)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    trainer = run_empty(
+        tmp_path, tiny_model, estimator, path, copy_first_char_reward, r"every completion is masked",
+        mask_truncated_completions=True, max_completion_length=2, generation_kwargs={"suppress_tokens": [tok.eos_token_id, tok.pad_token_id]},
+    )
+    for batch in trainer.generation_batches:
+        assert not batch["completion_mask"].any()
+
+
+def test_empty_batch_with_kl_loss_moves_only_through_the_kl_loss(tmp_path, tiny_model):
+    """With the baseline recipe's k2 KL loss on, an empty batch still has a zero policy loss and the step stays
+    finite; the KL loss may move the parameters (it is the only term with a gradient)."""
+    trainer = build(tmp_path, tiny_model, all_unscorable, "reinforce_plus_plus_baseline", max_steps=2)
+    watch = NaNWatch()
+    trainer.add_callback(watch)
+    with pytest.warns(RuntimeWarning, match=r"every reward function returned None"):
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["advantages/empty_batch"] for h in logs] == [1.0, 1.0]
+    assert all(h["policy_loss"] == 0.0 and math.isfinite(h["kl_loss"]) for h in logs)
+
+
+def test_empty_batch_metric_is_zero_on_normal_batches(tmp_path, tiny_model):
+    trainer = build(tmp_path, tiny_model, copy_first_char_reward, "reinforce_plus_plus", max_steps=1)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["advantages/empty_batch"] for h in logs] == [0.0]

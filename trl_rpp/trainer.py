@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import warnings
 
 import torch
 from trl import GRPOTrainer
@@ -298,7 +299,8 @@ class RPPTrainer(GRPOTrainer):
             centered = group_centered_rewards(rewards, num_generations, scorable)[local]
             raw = torch.where(mask, centered.unsqueeze(1), torch.zeros((), dtype=centered.dtype, device=device))
 
-        advantages, raw_mean, raw_var, count = global_masked_normalize(raw, mask)
+        # A batch with no valid token anywhere becomes a zero-advantage step (see `_warn_empty_batch`).
+        advantages, raw_mean, raw_var, count = global_masked_normalize(raw, mask, allow_empty=True)
         batch["advantages"] = advantages
         self._log_advantage_metrics(mode, raw, advantages, mask, raw_mean, raw_var, count, batch)
         return batch
@@ -342,6 +344,10 @@ class RPPTrainer(GRPOTrainer):
         m["advantages/std"].append(max(adv_sq / n_safe - norm_mean**2, 0.0) ** 0.5)
         m["advantages/valid_tokens"].append(n)
         m["advantages/zero_variance"].append(float(var <= 1e-8))
+        m["advantages/empty_batch"].append(float(n == 0))
+        if n == 0:
+            raw_max = neg_raw_min = 0.0  # no return to report (not the -/+float32-max sentinels)
+            self._warn_empty_batch(mode, batch)
         if self.args.advantage_estimator == "reinforce_plus_plus":
             # For REINFORCE++ the raw advantages are the k1-shaped returns G.
             m["returns/mean"].append(mu)
@@ -350,6 +356,31 @@ class RPPTrainer(GRPOTrainer):
             m["returns/min"].append(-neg_raw_min)
         if has_kl:
             m["ref_kl/k1_mean"].append(k1_total / n_safe)
+
+    def _warn_empty_batch(self, mode, batch):
+        """Name the cause of a generation batch without any valid token. Reached only after the metrics' host
+        transfer showed a global count of 0, so the extra gather here never runs on the normal path."""
+        mask = batch["completion_mask"].bool()
+        if "tool_mask" in batch:
+            mask = mask & batch["tool_mask"].bool()
+        any_token = self.accelerator.gather(mask.any().float().reshape(1)).sum().item() > 0
+        if any_token:
+            cause = (
+                "no completion that has a valid token could be scored: every reward function returned None for "
+                "each of them (an unavailable judge or reward server?)"
+            )
+        else:
+            cause = (
+                "every completion is masked (with mask_truncated_completions=True: none ended within "
+                "max_completion_length)"
+            )
+        warnings.warn(
+            f"RPPTrainer ({mode}, step {self.state.global_step}): the generation batch has no valid token: {cause}. "
+            "It is trained on as a zero-advantage step (no policy-gradient signal; a KL loss still applies) and "
+            "logged with advantages/empty_batch = 1.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     # ------------------------------------------------------------------------------------------------------------
     # Loss
@@ -376,7 +407,7 @@ class RPPTrainer(GRPOTrainer):
             raw = reinforce_pp_returns(
                 inputs["rpp_rewards"], old_logps, inputs["ref_per_token_logps"], rmask, args.kl_coef, args.gamma
             )
-            advantages, raw_mean, raw_var, count = global_masked_normalize(raw, rmask)
+            advantages, raw_mean, raw_var, count = global_masked_normalize(raw, rmask, allow_empty=True)
             self._log_advantage_metrics(
                 mode, raw, advantages, rmask, raw_mean, raw_var, count, {**inputs, "old_per_token_logps": old_logps}
             )
