@@ -7,10 +7,12 @@ import textwrap
 import warnings
 
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 
+from .checkpoint import buffer_needed, check_resumable, load_generation_buffer, save_generation_buffer
 from .config import RPPConfig
 from .core import (
     global_masked_normalize,
@@ -163,33 +165,36 @@ class RPPTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints: the buffered generation batch outlives an optimizer step when steps_per_generation or
     # num_iterations > 1. GRPO drops it on resume and samples a new batch; we save it, so a resumed run continues
-    # exactly where the interrupted one was.
+    # exactly where the interrupted one was. Order and atomicity: see `trl_rpp.checkpoint`.
     # ------------------------------------------------------------------------------------------------------------
 
-    _BUFFER_FILE = "rpp_generation_buffer_rank{}.pt"
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        folder = resume_from_checkpoint
+        if folder is True and os.path.isdir(self.args.output_dir):
+            folder = get_last_checkpoint(self.args.output_dir)  # what Trainer resolves True to
+        if isinstance(folder, (str, os.PathLike)):
+            # Before Trainer loads anything: a half-written checkpoint fails here with the file named.
+            check_resumable(os.fspath(folder), self.accelerator.process_index, self.args.gradient_accumulation_steps,
+                            self.args.steps_per_generation, self.num_iterations)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
+        if self._buffered_inputs is not None:
+            # Before Trainer's files, so that a checkpoint with a trainer_state.json always has its buffer.
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            save_generation_buffer(folder, self.accelerator.process_index, self._step, self._buffered_inputs)
+            self.accelerator.wait_for_everyone()  # every rank's buffer lands before rank 0 writes trainer_state.json
         super()._save_checkpoint(model, trial)
-        if self._buffered_inputs is None:
-            return
-        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        # Tensors and numbers only, so that loading never needs unrestricted pickle (weights_only=True).
-        buffer = [
-            {k: v for k, v in batch.items() if torch.is_tensor(v) or isinstance(v, (int, float))}
-            for batch in self._buffered_inputs
-        ]
-        path = os.path.join(folder, self._BUFFER_FILE.format(self.accelerator.process_index))
-        torch.save({"step": self._step, "buffer": buffer}, path)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        path = os.path.join(checkpoint, self._BUFFER_FILE.format(self.accelerator.process_index))
-        if os.path.exists(path):
-            state = torch.load(path, map_location=self.accelerator.device, weights_only=True)
-            self._buffered_inputs, self._step = state["buffer"], state["step"]
+        required = buffer_needed(self.state.global_step, self.args.gradient_accumulation_steps,
+                                 self.args.steps_per_generation, self.num_iterations)
+        loaded = load_generation_buffer(checkpoint, self.accelerator.process_index, required, self.accelerator.device)
+        if loaded is not None:
+            self._buffered_inputs, self._step = loaded
 
     # ------------------------------------------------------------------------------------------------------------
     # Generation: raw rewards -> [B, T] advantages
