@@ -57,7 +57,9 @@ def save_generation_buffer(folder: str, rank: int, step: int, buffered_inputs) -
     return path
 
 
-def buffer_needed(global_step: int, gradient_accumulation_steps: int, steps_per_generation: int, num_iterations: int) -> bool:
+def buffer_needed(
+    global_step: int, gradient_accumulation_steps: int, steps_per_generation: int, num_iterations: int
+) -> bool:
     """True when a checkpoint at optimizer step `global_step` falls inside a generation batch: GRPO's micro-step
     counter (`global_step * gradient_accumulation_steps`) is then not a multiple of
     `steps_per_generation * num_iterations`, and resuming without the buffer would sample a new batch there."""

@@ -181,7 +181,8 @@ class RPPTrainer(GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         if self._buffered_inputs is not None:
             # Before Trainer's files, so that a checkpoint with a trainer_state.json always has its buffer.
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            folder = os.path.join(self._get_output_dir(trial=trial), name)
             save_generation_buffer(folder, self.accelerator.process_index, self._step, self._buffered_inputs)
             self.accelerator.wait_for_everyone()  # every rank's buffer lands before rank 0 writes trainer_state.json
         super()._save_checkpoint(model, trial)
