@@ -253,7 +253,7 @@ def _resolve_group(group):
 
 
 def global_masked_normalize(
-    values: torch.Tensor, mask: torch.Tensor, var_floor: float = 1e-8, group=None
+    values: torch.Tensor, mask: torch.Tensor, var_floor: float = 1e-8, group=None, *, allow_empty: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Global masked z-score over every valid token of every process (spec, "Global masked normalization").
 
@@ -263,7 +263,9 @@ def global_masked_normalize(
 
     Every process joins both all-reduces, also one whose mask is empty (it contributes zeros and gets zeros).
     Nothing is moved to the host: an empty global population fails through ``torch._assert_async`` on every
-    process (a ``RuntimeError`` on CPU, a device-side assert on CUDA).
+    process (a ``RuntimeError`` on CPU, a device-side assert on CUDA). With ``allow_empty=True`` it is not an
+    error: every output is then zero (``count == 0``), which the trainer uses to turn a generation batch with no
+    valid token into a zero-advantage step without a host sync. Nothing changes for a non-empty population.
 
     Values are centered in at least float32 (float64 for float64 input); both sums, the all-reduce and the token
     count are in float64, so the count is exact far past 2**24 tokens and a constant population gives exact zeros.
@@ -275,6 +277,7 @@ def global_masked_normalize(
             ``> 0`` (``0`` would turn a constant population into NaN).
         group: ``torch.distributed`` process group. Default: the world group when ``torch.distributed`` is
             initialized with more than one process, otherwise the computation is local.
+        allow_empty: return zeros for a globally empty mask instead of failing.
 
     Returns:
         ``(normalized [B, T] in values.dtype, mean [], var [], count [])``: mean and var in the accumulation
@@ -297,7 +300,9 @@ def global_masked_normalize(
     if pg is not None:
         dist.all_reduce(first, op=dist.ReduceOp.SUM, group=pg)
     count = first[1]
-    torch._assert_async(count > 0, "global_masked_normalize: the mask selects no valid token on any process")
+    if not allow_empty:
+        torch._assert_async(count > 0, "global_masked_normalize: the mask selects no valid token on any process")
+    # An empty population selects nothing below: x, mean, centered and var are all exactly 0, so are the outputs.
     mean = (first[0] / count.clamp(min=1)).to(acc)
 
     centered = torch.where(m, x - mean, zero)

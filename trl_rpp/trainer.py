@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import textwrap
+import warnings
 
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 
+from .checkpoint import buffer_needed, check_resumable, load_generation_buffer, save_generation_buffer
 from .config import RPPConfig
 from .core import (
     global_masked_normalize,
@@ -163,33 +166,37 @@ class RPPTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints: the buffered generation batch outlives an optimizer step when steps_per_generation or
     # num_iterations > 1. GRPO drops it on resume and samples a new batch; we save it, so a resumed run continues
-    # exactly where the interrupted one was.
+    # exactly where the interrupted one was. Order and atomicity: see `trl_rpp.checkpoint`.
     # ------------------------------------------------------------------------------------------------------------
 
-    _BUFFER_FILE = "rpp_generation_buffer_rank{}.pt"
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        folder = resume_from_checkpoint
+        if folder is True and os.path.isdir(self.args.output_dir):
+            folder = get_last_checkpoint(self.args.output_dir)  # what Trainer resolves True to
+        if isinstance(folder, (str, os.PathLike)):
+            # Before Trainer loads anything: a half-written checkpoint fails here with the file named.
+            check_resumable(os.fspath(folder), self.accelerator.process_index, self.args.gradient_accumulation_steps,
+                            self.args.steps_per_generation, self.num_iterations)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
+        if self._buffered_inputs is not None:
+            # Before Trainer's files, so that a checkpoint with a trainer_state.json always has its buffer.
+            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            folder = os.path.join(self._get_output_dir(trial=trial), name)
+            save_generation_buffer(folder, self.accelerator.process_index, self._step, self._buffered_inputs)
+            self.accelerator.wait_for_everyone()  # every rank's buffer lands before rank 0 writes trainer_state.json
         super()._save_checkpoint(model, trial)
-        if self._buffered_inputs is None:
-            return
-        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        # Tensors and numbers only, so that loading never needs unrestricted pickle (weights_only=True).
-        buffer = [
-            {k: v for k, v in batch.items() if torch.is_tensor(v) or isinstance(v, (int, float))}
-            for batch in self._buffered_inputs
-        ]
-        path = os.path.join(folder, self._BUFFER_FILE.format(self.accelerator.process_index))
-        torch.save({"step": self._step, "buffer": buffer}, path)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        path = os.path.join(checkpoint, self._BUFFER_FILE.format(self.accelerator.process_index))
-        if os.path.exists(path):
-            state = torch.load(path, map_location=self.accelerator.device, weights_only=True)
-            self._buffered_inputs, self._step = state["buffer"], state["step"]
+        required = buffer_needed(self.state.global_step, self.args.gradient_accumulation_steps,
+                                 self.args.steps_per_generation, self.num_iterations)
+        loaded = load_generation_buffer(checkpoint, self.accelerator.process_index, required, self.accelerator.device)
+        if loaded is not None:
+            self._buffered_inputs, self._step = loaded
 
     # ------------------------------------------------------------------------------------------------------------
     # Generation: raw rewards -> [B, T] advantages
@@ -299,7 +306,8 @@ class RPPTrainer(GRPOTrainer):
             centered = group_centered_rewards(rewards, num_generations, scorable)[local]
             raw = torch.where(mask, centered.unsqueeze(1), torch.zeros((), dtype=centered.dtype, device=device))
 
-        advantages, raw_mean, raw_var, count = global_masked_normalize(raw, mask)
+        # A batch with no valid token anywhere becomes a zero-advantage step (see `_warn_empty_batch`).
+        advantages, raw_mean, raw_var, count = global_masked_normalize(raw, mask, allow_empty=True)
         batch["advantages"] = advantages
         self._log_advantage_metrics(mode, raw, advantages, mask, raw_mean, raw_var, count, batch)
         return batch
@@ -343,6 +351,10 @@ class RPPTrainer(GRPOTrainer):
         m["advantages/std"].append(max(adv_sq / n_safe - norm_mean**2, 0.0) ** 0.5)
         m["advantages/valid_tokens"].append(n)
         m["advantages/zero_variance"].append(float(var <= 1e-8))
+        m["advantages/empty_batch"].append(float(n == 0))
+        if n == 0:
+            raw_max = neg_raw_min = 0.0  # no return to report (not the -/+float32-max sentinels)
+            self._warn_empty_batch(mode, batch)
         if self.args.advantage_estimator == "reinforce_plus_plus":
             # For REINFORCE++ the raw advantages are the k1-shaped returns G.
             m["returns/mean"].append(mu)
@@ -351,6 +363,31 @@ class RPPTrainer(GRPOTrainer):
             m["returns/min"].append(-neg_raw_min)
         if has_kl:
             m["ref_kl/k1_mean"].append(k1_total / n_safe)
+
+    def _warn_empty_batch(self, mode, batch):
+        """Name the cause of a generation batch without any valid token. Reached only after the metrics' host
+        transfer showed a global count of 0, so the extra gather here never runs on the normal path."""
+        mask = batch["completion_mask"].bool()
+        if "tool_mask" in batch:
+            mask = mask & batch["tool_mask"].bool()
+        any_token = self.accelerator.gather(mask.any().float().reshape(1)).sum().item() > 0
+        if any_token:
+            cause = (
+                "no completion that has a valid token could be scored: every reward function returned None for "
+                "each of them (an unavailable judge or reward server?)"
+            )
+        else:
+            cause = (
+                "every completion is masked (with mask_truncated_completions=True: none ended within "
+                "max_completion_length)"
+            )
+        warnings.warn(
+            f"RPPTrainer ({mode}, step {self.state.global_step}): the generation batch has no valid token: {cause}. "
+            "It is trained on as a zero-advantage step (no policy-gradient signal; a KL loss still applies) and "
+            "logged with advantages/empty_batch = 1.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     # ------------------------------------------------------------------------------------------------------------
     # Loss
@@ -377,7 +414,7 @@ class RPPTrainer(GRPOTrainer):
             raw = reinforce_pp_returns(
                 inputs["rpp_rewards"], old_logps, inputs["ref_per_token_logps"], rmask, args.kl_coef, args.gamma
             )
-            advantages, raw_mean, raw_var, count = global_masked_normalize(raw, rmask)
+            advantages, raw_mean, raw_var, count = global_masked_normalize(raw, rmask, allow_empty=True)
             self._log_advantage_metrics(
                 mode, raw, advantages, rmask, raw_mean, raw_var, count, {**inputs, "old_per_token_logps": old_logps}
             )
