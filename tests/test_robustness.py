@@ -382,9 +382,6 @@ def test_random_rewards_give_finite_training_or_the_named_error(tmp_path_factory
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=(AssertionError, pytest.fail.Exception),
-                   reason="needs the float32-overflow reward guard of issue 13's input-checking half "
-                          "(branch issue-13); remove this mark when both are merged")
 @settings(**{**FAST, "max_examples": 6})
 @given(cases(OVERFLOW + [float("nan")]))
 @example(dict(calls=[[1e39] + [0.5] * 7, [1.0] * 8], estimator="reinforce_plus_plus", path="deferred",
