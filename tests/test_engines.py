@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO-2 and ZeRO-3 through `accelerate launch` with the shipped config files, 2 CPU processes on gloo,
-compared step by step with the same runs under plain DDP (tests/engine_script.py runs the cases).
+"""DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 through `accelerate launch` with the shipped config files, 2 CPU processes on
+gloo, compared step by step with the same runs under plain DDP (tests/engine_script.py runs the cases). FSDP2 needs a
+test-only shim on CPU (`engine_script.force_fsdp_on_cpu`), checked against accelerate 1.15 only.
 
 Tolerances. The advantages are z-scores (|A| < 5): float32 resolves them to ~5e-7, the engines reduce the same
 float32 sums in a different order, and from step 2 on the weights they generate and score with differ by ~1e-8.
@@ -55,8 +56,11 @@ def require_deepspeed():
         pytest.fail("deepspeed is not installed; `make install` installs it (see docs/distributed.md).")
 
 
+CONFIG_FILES = {"ddp": "ddp.yaml", "zero2": "deepspeed_zero2.yaml", "zero3": "deepspeed_zero3.yaml", "fsdp2": "fsdp2.yaml"}
+
+
 def run_engine(outdir, models, engine):
-    config = "ddp.yaml" if engine == "ddp" else f"deepspeed_{engine}.yaml"
+    config = CONFIG_FILES[engine]
     os.makedirs(outdir, exist_ok=True)
     # A fresh extensions dir proves that nothing is compiled on the way.
     ext = os.path.join(outdir, "torch_extensions")
@@ -67,7 +71,7 @@ def run_engine(outdir, models, engine):
     def load(tag):
         return [torch.load(os.path.join(outdir, f"{tag}_rank{r}.pt"), weights_only=False) for r in range(2)]
 
-    names = CASES + (["rpp_ref_resumed"] if engine == "zero3" else [])
+    names = CASES + (["rpp_ref_resumed"] if engine == "zero3" else []) + (["rejections"] if engine == "zero2" else [])
     return {name: load(name) for name in names}
 
 
@@ -111,6 +115,19 @@ def max_diffs(ref_ranks, got_ranks, first_step=0):
     return adv, params, move
 
 
+def check_equal_to_ddp(engine, runs, ddp_runs):
+    for name in CASES:
+        adv, params, move = max_diffs(ddp_runs[name], runs[name])
+        print(f"\n{engine} vs ddp, {name}: max |dA| = {adv:.3g}, max |dparam| = {params:.3g} (largest step {move:.3g})")
+        assert adv <= ADV_ATOL, (name, adv)
+        assert params <= PARAM_ATOL, (name, params)
+        assert move > MIN_MOVE, (name, move)
+    # Unequal completion lengths across ranks (under ZeRO-3: shards gathered layer by layer in generation) neither
+    # hang (the launch would time out) nor differ (compared above).
+    lengths = [sum(m.sum().item() for m in runs["unequal_lengths"][r]["completion_masks"]) for r in range(2)]
+    assert lengths[0] > 4 * lengths[1], lengths
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["zero2", "zero3"])
 def test_deepspeed_equals_ddp_step_by_step(tmp_path, models, ddp_runs, engine):
@@ -137,17 +154,15 @@ def test_deepspeed_equals_ddp_step_by_step(tmp_path, models, ddp_runs, engine):
                     assert p["has_ds_id"] and p["local_numel"] == 0, (name, part, p)
                     assert p["ds_numel"] > 0 and p["partition_numel"] == p["ds_numel"] // 2, (name, part, p)
         assert (runs[name][0]["facts"]["ref"] is not None) == (name != "rpp_lora_deferred")
+    check_equal_to_ddp(engine, runs, ddp_runs)
 
-        adv, params, move = max_diffs(ddp_runs[name], runs[name])
-        print(f"\n{engine} vs ddp, {name}: max |dA| = {adv:.3g}, max |dparam| = {params:.3g} (largest step {move:.3g})")
-        assert adv <= ADV_ATOL, (name, adv)
-        assert params <= PARAM_ATOL, (name, params)
-        assert move > MIN_MOVE, (name, move)
-
-    # Unequal completion lengths across ranks (ZeRO-3: shards gathered layer by layer in generation) neither hang
-    # (the launch would time out) nor differ (compared above).
-    lengths = [sum(m.sum().item() for m in runs["unequal_lengths"][r]["completion_masks"]) for r in range(2)]
-    assert lengths[0] > 4 * lengths[1], lengths
+    if engine == "zero2":
+        # The parallelism rejection: tensor parallelism from RPPConfig.parallelism_config, context parallelism from
+        # the environment a YAML launch sets (GRPOConfig never sees it), each at trainer construction.
+        for rank in range(2):
+            errors = runs["rejections"][rank]
+            assert errors["args_tp"] and errors["args_tp"].startswith("parallelism_config.tp_size=2 is not supported")
+            assert errors["env_cp"] and errors["env_cp"].startswith("parallelism_config.cp_size=2 is not supported")
 
     if engine == "zero3":
         # Resumed from the step-2 ZeRO-3 checkpoint, step 3 equals the uninterrupted ZeRO-3 run (and DDP).
@@ -159,3 +174,24 @@ def test_deepspeed_equals_ddp_step_by_step(tmp_path, models, ddp_runs, engine):
         assert step3[0]["reward"] == step3[1]["reward"], step3
         assert step3[0]["advantages/valid_tokens"] == step3[1]["advantages/valid_tokens"], step3
         assert abs(step3[0]["loss"] - step3[1]["loss"]) <= 1e-6, step3
+
+
+@pytest.mark.slow
+def test_fsdp2_equals_ddp_step_by_step(tmp_path, models, ddp_runs):
+    import accelerate
+
+    if not accelerate.__version__.startswith("1.15."):
+        pytest.skip(f"the CPU FSDP shim is checked against accelerate 1.15 only, found {accelerate.__version__}")
+    runs = run_engine(tmp_path, models, "fsdp2")
+    for name in CASES:
+        for rank in range(2):
+            facts = runs[name][rank]["facts"]
+            # Really FSDP2: the policy (sharded when training starts) is a fully_shard module whose parameters are
+            # DTensors, about half on each rank; so is the frozen reference model, sharded at construction.
+            assert facts["distributed_type"] == "DistributedType.FSDP" and facts["num_processes"] == 2, facts
+            assert facts["wrapper"].startswith("torch.distributed.fsdp._fully_shard."), facts
+            for p in (facts["policy_after"], facts["ref"]):
+                if p is not None:
+                    assert p["dtensor"] and 0 < p["dtensor_local_numel"] < p["local_numel"], (name, p)
+        assert (runs[name][0]["facts"]["ref"] is not None) == (name != "rpp_lora_deferred")
+    check_equal_to_ddp("fsdp2", runs, ddp_runs)
