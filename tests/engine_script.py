@@ -142,8 +142,8 @@ def run_case(outdir, model_path, eos_model_path, engine, name, resume_from=None,
         model=model, reward_funcs=[copy_first_char_reward, length_reward], args=args, train_dataset=dataset,
         callbacks=[snaps], **extra,
     )
-    # Before training, as built (the policy is wrapped by DeepSpeed only in `train`): the frozen weights, i.e.
-    # the whole policy, or the base model under LoRA, and the reference model when there is one.
+    # Storage as built, before `train` wraps the policy: the policy, the frozen base model under LoRA, and the
+    # reference model when there is one (ZeRO-3 partitions them at load time; FSDP2 shards the policy in `train`).
     frozen = [p for p in trainer.model.parameters() if not p.requires_grad] if lora else None
     facts = dict(
         policy=partition_facts(trainer.model.parameters()),
