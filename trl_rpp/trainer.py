@@ -25,6 +25,7 @@ from .core import (
     score_centered_ppo_loss,
     score_centering_coefficients,
 )
+from .distributed import check_normalization_group
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_func
 from .sampling import (
     SamplerTopKCapture,
@@ -131,6 +132,7 @@ class RPPTrainer(GRPOTrainer):
                 super().__init__(model, reward_funcs, args, **kwargs)
         finally:
             args.beta = 0.0
+        check_normalization_group(self.accelerator.parallelism_config)
         if args.score_centering and args.use_vllm:
             self.vllm_generation.logprobs = k  # top-k per token, plus the sampled token when outside them
         self.beta = 0.0
