@@ -9,6 +9,8 @@ setup(
     license="Apache-2.0",
     packages=find_packages(include=["trl_rpp", "trl_rpp.*"]),
     python_requires=">=3.10",
+    # `trl-rpp` is the CLI (`trl_rpp/cli.py`); `examples/rpp.py` is the same program as a script.
+    entry_points={"console_scripts": ["trl-rpp = trl_rpp.cli:main"]},
     # Floors are the versions this project is tested with. Install torch first (`pip install torch==2.13.0`):
     # an unpinned torch may otherwise resolve to a multi-GB CUDA build.
     install_requires=[
