@@ -184,7 +184,8 @@ def load_prompt_dataset(name, config=None, split="train"):
 def load_datasets(script_args, training_args):
     """(train, eval or None) as the flags describe them; see the module docstring for the rules."""
     train = load_prompt_dataset(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
-    if training_args.eval_strategy == "no":
+    strategy = getattr(training_args.eval_strategy, "value", training_args.eval_strategy)
+    if strategy == "no":
         if script_args.eval_dataset_name:
             raise ValueError("--eval_dataset_name is given but --eval_strategy is 'no': nothing would evaluate on it. "
                              "Set --eval_strategy steps (or epoch), or drop --eval_dataset_name.")
@@ -194,7 +195,7 @@ def load_datasets(script_args, training_args):
         split = "train" if _is_single_split(name) else script_args.dataset_test_split
         return train, load_prompt_dataset(name, script_args.dataset_config, split)
     if _is_single_split(script_args.dataset_name):
-        raise ValueError(f"--eval_strategy {training_args.eval_strategy!r} needs evaluation data, and "
+        raise ValueError(f"--eval_strategy {strategy!r} needs evaluation data, and "
                          f"{script_args.dataset_name!r} is a single split (the training data). Pass "
                          "--eval_dataset_name, or use a dataset with a test split.")
     return train, load_prompt_dataset(script_args.dataset_name, script_args.dataset_config,
