@@ -209,7 +209,8 @@ def test_cli_trains_with_train_and_test_splits_and_writes_the_card(tmp_path):
     cmd = [sys.executable, "-m", "trl_rpp.cli", "--model_name_or_path", model, "--dataset_name", str(data),
            "--reward_funcs", "copy_first_char", "--max_steps", "2", "--per_device_train_batch_size", "8",
            "--per_device_eval_batch_size", "8", "--num_generations", "4", "--max_completion_length", "2",
-           "--eval_strategy", "steps", "--eval_steps", "2", "--use_cpu", "--bf16", "false", "--report_to", "none",
+           "--eval_strategy", "steps", "--eval_steps", "2", "--logging_steps", "1", "--use_cpu", "--bf16", "false",
+           "--report_to", "none",
            "--output_dir", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

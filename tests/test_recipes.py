@@ -98,8 +98,8 @@ def _recipe(env_extra, *args):
 def _dry_run(**env_extra):
     proc = _recipe(dict(DRY_RUN="1", **env_extra))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    prepare, train, config = proc.stdout.split("\n", 2)
-    return shlex.split(prepare), shlex.split(train), json.loads(config)
+    prepare, train, rest = proc.stdout.split("\n", 2)
+    return shlex.split(prepare), shlex.split(train), json.loads(rest[rest.index("{\n"):])  # after any import's print
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)

@@ -147,7 +147,7 @@ def test_length_one_and_truncated_completions(tmp_path, tiny_model, estimator):
                     mask_truncated_completions=True, max_steps=6)
     try:
         trainer.train()
-    except RuntimeError as err:  # every completion of a generation batch truncated: the spec's empty population
+    except RuntimeError as err:  # every completion of a generation batch truncated: the empty population of docs/numerics.md
         assert "no valid token on any process" in str(err)
     for batch in trainer.generation_batches:
         m = batch["completion_mask"].bool()

@@ -284,7 +284,7 @@ def main(argv=None):
         if without_gpu:
             config["use_cpu"] = False
             config["note"] = ("resolved on a machine without a GPU: use_cpu=True was added only to build this "
-                              "configuration; the run itself needs a GPU")
+                              "configuration (bf16 needs a GPU); to run here, add --use_cpu --bf16 false")
         json.dump(config, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
         return None
