@@ -39,6 +39,23 @@ def test_demo_tiny_learns_and_leaves_every_artifact(tmp_path):
     assert any(d.startswith("offline-run-") for d in os.listdir(out / "wandb"))
 
 
+@pytest.mark.slow
+def test_demo_on_smollm2_writes_a_card_naming_the_hub_model(tmp_path):
+    """`make demo`'s own path (the GGUF-converted SmolLM2, LoRA), cut to one step: the card names the Hub model the
+    GGUF file came from, the adapter and the dataset, with no None and no broken link."""
+    out = tmp_path / "demo"
+    stdout = run(["examples/demo.py", "--max_steps", "1", "--output_dir", str(out), "--threads", "1"], timeout=1200)
+    assert "held-out greedy accuracy after training" in stdout
+    card = (out / "README.md").read_text()
+    body = card.split("## Citations")[0]
+    assert "None" not in body and "huggingface.co/datasets/" not in card
+    assert ("fine-tuned version of [HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/"
+            "SmolLM2-135M-Instruct) (converted to float32 from the GGUF file `SmolLM2-135M-Instruct") in card
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "library_name: peft" in card
+    assert "on generated arithmetic prompts (examples/demo.py) as a LORA adapter." in card
+    assert (out / "adapter_config.json").is_file()
+
+
 def _demo_module():
     import importlib.util
 

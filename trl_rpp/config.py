@@ -60,7 +60,7 @@ class RPPConfig(GRPOConfig):
             with k1 reward shaping (`kl_coef > 0`), which would count the KL twice.
         kl_loss_type (`str`, *optional*):
             Estimator of the separate KL loss: `"k1"` (`log pi - log pi_ref`) or `"k2"`
-            (`0.5 * (log pi - log pi_ref)^2`). Defaults to the REINFORCE++ recipes: `"k1"` for `"reinforce_plus_plus"` (the
+            (`0.5 * (log pi - log pi_ref)^2`). Defaults to the recipes: `"k1"` for `"reinforce_plus_plus"` (the
             estimator of its reward shaping; it only matters if the KL loss is turned on instead) and `"k2"` for
             `"reinforce_plus_plus_baseline"`, which accepts only `"k2"`.
         kl_loss_coef (`float`, *optional*):

@@ -1,8 +1,9 @@
 """The numerical contract of REINFORCE++ and REINFORCE++-baseline as pure tensor functions.
 
 Everything here follows the main equations of REINFORCE++ (arXiv:2501.03262 v9), with OpenRLHF's
-population-variance normalization; `docs/numerics.md` states each function's equations. The functions take tensors and plain numbers only: no config,
-no trainer, no accelerator. `RPPTrainer` is a thin wiring of TRL's hooks to them.
+population-variance normalization; `docs/numerics.md` states each function's equations. The functions take
+tensors and plain numbers only: no config, no trainer, no accelerator. `RPPTrainer` is a thin wiring of TRL's
+hooks to them.
 
 Shapes: ``B`` responses, ``T`` completion positions, ``K`` = ``num_generations``. A ``mask`` is a bool or
 0/1 tensor ``[B, T]`` selecting the response tokens that count (``m_{i,t}`` in `docs/numerics.md`).
