@@ -52,7 +52,7 @@ def test_demo_on_smollm2_writes_a_card_naming_the_hub_model(tmp_path):
     assert ("fine-tuned version of [HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/"
             "SmolLM2-135M-Instruct) (converted to float32 from the GGUF file `SmolLM2-135M-Instruct") in card
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "library_name: peft" in card
-    assert "on generated arithmetic prompts (examples/demo.py) as a LORA adapter." in card
+    assert "on generated arithmetic prompts (examples/demo.py) as a LoRA adapter." in card
     assert (out / "adapter_config.json").is_file()
 
 

@@ -62,6 +62,12 @@ def test_gguf_conversion_names_the_hub_model(tmp_path):
         None, f"a local checkpoint converted to float32 from the GGUF file `SmolLM2-135M-Instruct.Q4_1.gguf` (`{tmp_path}`)")
 
 
+def test_adapter_is_named_and_the_library_is_peft():
+    card = render_model_card(args=_config(), base_model="m/x", dataset_name="d/y", peft_type="LoRA")
+    assert "fine-tuned version of [m/x](https://huggingface.co/m/x) on the [d/y](https://huggingface.co/datasets/d/y) dataset as a LoRA adapter." in card
+    assert "library_name: peft" in card
+
+
 def test_dataset_descriptions(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("{}\n")

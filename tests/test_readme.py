@@ -69,6 +69,16 @@ def test_quick_start_runs_as_written(tmp_path):
     assert "| `advantage_estimator` | `reinforce_plus_plus_baseline`" in card
 
 
+def test_functional_api_snippet_runs_as_written():
+    (snippet,) = blocks(section("Functional API"), "python")
+    scope = {}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    mask, advantages = scope["mask"], scope["advantages"]
+    assert scope["count"].item() == 22 and bool((advantages[~mask] == 0).all())
+    assert abs(advantages[mask].mean().item()) < 1e-6 and abs(advantages[mask].std(unbiased=False).item() - 1) < 1e-5
+    assert scope["logps"].grad is not None and bool(scope["logps"].grad[~mask].eq(0).all())
+
+
 def test_install_commands_are_the_makefiles():
     install, make = blocks(section("Install"), "bash")
     readme = [" ".join(c) for c in commands(install)]

@@ -213,6 +213,7 @@ def build_model_card(trainer, model_name=None, dataset_name=None, tags=None):
     if peft_config:
         first = next(iter(peft_config.values()))
         peft_type = str(getattr(first.peft_type, "value", first.peft_type))
+        peft_type = {"LORA": "LoRA"}.get(peft_type, peft_type)
     tags = {tags} if isinstance(tags, str) else set(tags or [])
     tags.update(trainer._tag_names)
     if "JOB_ID" in os.environ:
