@@ -1,6 +1,8 @@
-# One-command entry points. Each sets itself up on a fresh machine with only Python:
-# a venv, then the CPU torch wheel first (so pip never resolves a multi-GB CUDA build), then the package.
+# Entry points that set themselves up on a fresh machine with only Python: a venv, torch, then the package.
+# `pip install torch==2.13.0` is the CUDA build on a stock Linux pip (what a GPU machine wants); for the CPU build
+# pass TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu (make install, demo and test all take it).
 PYTHON ?= python3
+TORCH_INDEX_URL ?=
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trl_rpp-installed
@@ -12,7 +14,7 @@ install: $(STAMP)
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet torch==2.13.0$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX_URL))
 	# DeepSpeed ships as source: built against the CPU torch above (--no-build-isolation; an isolated build pulls
 	# a multi-GB CUDA torch) and without its C++ ops (DS_BUILD_OPS=0). The engine tests need it.
 	$(BIN)/python -m pip install --quiet setuptools wheel

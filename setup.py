@@ -9,8 +9,10 @@ setup(
     license="Apache-2.0",
     packages=find_packages(include=["trl_rpp", "trl_rpp.*"]),
     python_requires=">=3.10",
-    # Floors are the versions this project is tested with. Install torch first (`pip install torch==2.13.0`):
-    # an unpinned torch may otherwise resolve to a multi-GB CUDA build.
+    # `trl-rpp` is the CLI (`trl_rpp/cli.py`); `examples/rpp.py` is the same program as a script.
+    entry_points={"console_scripts": ["trl-rpp = trl_rpp.cli:main"]},
+    # Floors are the versions this project is tested with. Install torch first: `pip install torch==2.13.0` is the
+    # CUDA build on Linux; add `--index-url https://download.pytorch.org/whl/cpu` for the CPU build.
     install_requires=[
         "torch>=2.13.0",
         "trl>=1.16.0",

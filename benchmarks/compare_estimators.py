@@ -44,7 +44,7 @@ def mismatch_trainer(base, correction, sigma, bias_seed=1234):
     The induced mismatch: every logit the sampler sees gets ``+ b[v]``, ``b ~ N(0, sigma^2)`` drawn once per vocabulary
     id from `bias_seed` (the same for every arm and seed), inside transformers' `generate`, before score centering's
     capture. The sampler is re-synced to the trainer at every step (it *is* the trainer plus `b`), so a bias the
-    trainer absorbs is copied back: the drift of score_centering.txt. Corrections:
+    trainer absorbs is copied back: the drift of docs/score_centering.md. Corrections:
 
     - ``"none"``: the samples are treated as on-policy;
     - ``"tis"``: TRL's vLLM importance-sampling correction with its defaults (``sequence_mask``, clip_max 3.0): each

@@ -3,7 +3,7 @@
     python benchmarks/score_centering_drift.py                # tiny local model, 80 steps per arm
     python benchmarks/score_centering_drift.py --steps 5      # smoke run
 
-Set-up, as in score_centering.txt: the sampler is the trainer plus a fixed bias (+`--bias` on the logits of a few
+Set-up, as in docs/score_centering.md: the sampler is the trainer plus a fixed bias (+`--bias` on the logits of a few
 token ids), re-synced to the trainer's current weights at every step. Every sampled token gets the same positive
 advantage A = 1, so the only systematic force in the update is the drift E_q[R] * E_q[grad log p], which fits the
 trainer to the sampler's bias. Each arm starts from the same weights and seed; the uncorrected arm uses the loss

@@ -13,14 +13,18 @@ Everything lands in --output_dir: the LoRA checkpoint and its model card (README
 log history), learning_curve.png (reward per step with a moving average), summary.json and the offline wandb run.
 
 Threads: on an idle 2-core machine 2 torch threads were about 1.7x faster than 1 (greedy eval of 128 prompts: 10.9 s
-vs 18.1 s). When other work competes for the cores, 1 thread has been reported to be about 10x faster than the
-default (not re-measured here). The default is every core; pass --threads 1 on a busy machine.
+vs 18.1 s). With one other busy process on the same 2 cores, the former every-core default was measured at about
+100 s per training step instead of about 16. The default is therefore the cores free when the demo starts (`default_threads`): the usable cores
+(`os.sched_getaffinity`) minus the processes already running (the 1-minute load average, rounded), at least 1.
+The load average lags by up to a minute and does not see work that starts later; `--threads N` overrides it.
+The auto choice has not been timed against a fixed count here: the machine was shared with other runs at the time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -35,6 +39,19 @@ import torch  # noqa: E402
 from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
 
 QUESTION = "What is {a} + {b}? Answer with just the number."
+
+
+def default_threads(usable_cores: int, load_average: float) -> int:
+    """Torch threads for `usable_cores` cores of which `load_average` (runnable processes, 1-minute mean) are
+    busy: the free cores, at least 1 and at most `usable_cores`."""
+    busy = math.floor(max(load_average, 0.0) + 0.5)
+    return max(1, min(usable_cores, usable_cores - busy))
+
+
+def _auto_threads() -> tuple[int, str]:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return default_threads(cores, load), f"{cores} usable cores, 1-minute load {load:.2f}"
 
 
 def arithmetic_prompts(tokenizer, n, seed):
@@ -106,10 +123,14 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny random-init model and the copy task (under a minute)")
     p.add_argument("--output_dir", default=None, help="default: outputs/demo or outputs/demo-tiny")
     p.add_argument("--max_steps", type=int, default=None, help="default: 16 (SmolLM2) or 150 (--tiny)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: every core)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: the cores free at start, from the load average; see above)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--learning_rate", type=float, default=None, help="default: 5e-4 (SmolLM2, LoRA) or 3e-3 (--tiny)")
     a = p.parse_args(argv)
+    if a.threads is None:
+        a.threads, why = _auto_threads()
+        print(f"[demo] torch threads: {a.threads} ({why}; --threads overrides)", flush=True)
     torch.set_num_threads(a.threads)
     t0 = time.time()
     output_dir = a.output_dir or ("outputs/demo-tiny" if a.tiny else "outputs/demo")
@@ -180,7 +201,7 @@ def main(argv=None):
     )
     trainer.train()
     trainer.save_model(output_dir)
-    trainer.create_model_card(model_name=os.path.basename(os.path.abspath(output_dir)), dataset_name="arithmetic (generated)" if not a.tiny else "copy task (generated)")
+    trainer.create_model_card(model_name=os.path.basename(os.path.abspath(output_dir)), dataset_name="generated arithmetic prompts (examples/demo.py)" if not a.tiny else "the generated copy task (trl_rpp.tiny)")
     after = greedy_accuracy(trainer.model, tokenizer, heldout_rows, reward_fn, max_new)
     print(f"[demo] held-out greedy accuracy after training: {after:.3f}", flush=True)
 

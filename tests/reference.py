@@ -1,9 +1,8 @@
 """Independent float64 reference for the REINFORCE++ / REINFORCE++-baseline tests.
 
-This module was written from the written specification only
-(/work/shared/spec/reinforce_pp_semantics.txt, sections "Notation and mask
-contract", "REINFORCE++", "REINFORCE++-baseline", "Global masked
-normalization" and "PPO and KL reduction").  The production code was NOT
+This module was written from the equations only (the main equations of
+REINFORCE++, arXiv:2501.03262 v9, with OpenRLHF's population-variance
+normalization; docs/numerics.md states them).  The production code was NOT
 consulted while writing it, so that the tests compare two independent
 derivations of the same equations.
 
@@ -15,10 +14,10 @@ Conventions
 * Masks are nested lists of 0/1 (or bools).  Mask selection is *boolean*
   (``if m:``), never multiplicative: a value stored at a masked position may be
   NaN, +/-Inf or a huge sentinel and is never read into any arithmetic that
-  affects a valid result (spec, "Notation and mask contract").
+  affects a valid result (docs/numerics.md, mask contract).
 * Every per-token output is exactly 0.0 at masked positions.
 
-Notation (spec): R_i terminal reward, m_{i,t} mask, T_i last valid position of
+Notation (docs/numerics.md): R_i terminal reward, m_{i,t} mask, T_i last valid position of
 row i, L_i = sum_t m_{i,t} valid length.
 """
 
@@ -72,7 +71,7 @@ def _clip(x, lo, hi):
 # ---------------------------------------------------------------------------
 
 def ref_kl_k1(logps, ref_logps, mask):
-    """Signed k1 estimator (spec "REINFORCE++"):
+    """Signed k1 estimator (REINFORCE++):
 
         d_{i,t} = log pi(a_{i,t}) - log pi_ref(a_{i,t})   at valid positions,
         0.0                                              elsewhere.
@@ -88,7 +87,7 @@ def ref_kl_k1(logps, ref_logps, mask):
 
 
 def ref_kl_k2(logps, ref_logps, mask):
-    """k2 estimator (spec "REINFORCE++-baseline"):
+    """k2 estimator (REINFORCE++-baseline):
 
         D^{k2}_{i,t} = 1/2 (log pi_theta(a_{i,t}) - log pi_ref(a_{i,t}))^2
     at valid positions, 0.0 elsewhere.
@@ -107,7 +106,7 @@ def ref_kl_k2(logps, ref_logps, mask):
 # ---------------------------------------------------------------------------
 
 def ref_reinforce_pp_returns(rewards, old_logps, ref_logps, mask, kl_coef, gamma=1.0):
-    """REINFORCE++ return (spec "REINFORCE++"):
+    """REINFORCE++ return (REINFORCE++):
 
         d_{i,t} = log pi_old(a_{i,t}) - log pi_ref(a_{i,t})
         r_{i,t} = m_{i,t} [ -beta d_{i,t} + 1(t = T_i) R_i ]
@@ -155,7 +154,7 @@ def ref_reinforce_pp_returns(rewards, old_logps, ref_logps, mask, kl_coef, gamma
 # ---------------------------------------------------------------------------
 
 def ref_group_mean_advantages(rewards, mask, num_generations):
-    """REINFORCE++-baseline raw advantage (spec "REINFORCE++-baseline"):
+    """REINFORCE++-baseline raw advantage (REINFORCE++-baseline):
 
         b_g = (1/K) sum_{j in g} R_j      (inclusive mean, NOT leave-one-out)
         C_i = R_i - b_g                   (no group-std division)
@@ -163,7 +162,7 @@ def ref_group_mean_advantages(rewards, mask, num_generations):
 
     Groups are contiguous blocks of K = ``num_generations`` rows.  The group
     mean uses all K rewards of the group regardless of the rows' masks.
-    K < 2 is rejected (spec: n_samples_per_prompt=1 collapses every advantage
+    K < 2 is rejected (num_generations=1 collapses every advantage
     to zero and is rejected), as is a batch not divisible by K.
     """
     K = int(num_generations)
@@ -192,7 +191,7 @@ def ref_group_mean_advantages(rewards, mask, num_generations):
 # ---------------------------------------------------------------------------
 
 def ref_global_masked_normalize(values_per_rank, mask_per_rank, var_floor=1e-8):
-    """Global masked population normalization (spec "Global masked normalization"):
+    """Global masked population normalization (docs/numerics.md):
 
         S = {(r,i,t) | m_{r,i,t} = 1},  N = |S|
         mu      = (1/N) sum_S A
@@ -250,13 +249,13 @@ def _ppo_token(logp, old_logp, adv, eps_low, eps_high):
 
 def ref_response_mean_ppo_loss(logps, old_logps, advantages, mask,
                                epsilon_low=0.2, epsilon_high=0.2):
-    """Response-mean clipped PPO loss (spec "PPO and KL reduction"):
+    """Response-mean clipped PPO loss (docs/numerics.md):
 
         rho_{i,t} = exp(log pi_theta - log pi_old)
         L_PG = (1/B) sum_i (1/L_i) sum_t m_{i,t}
                    max(-rho A_hat, -clip(rho, 1-eps_low, 1+eps_high) A_hat)
 
-    The spec writes a single epsilon; ``epsilon_low``/``epsilon_high`` give the
+    The paper writes a single epsilon; ``epsilon_low``/``epsilon_high`` give the
     lower/upper clip bounds 1-eps_low and 1+eps_high.  The denominator is
     max(L_i, 1), so a response with no valid token contributes 0 but still
     counts in B (all B responses are averaged).
@@ -341,8 +340,7 @@ def ref_response_mean_ppo_loss_grad(logps, old_logps, advantages, mask,
 # ---------------------------------------------------------------------------
 
 def ref_response_mean_k2_loss(logps, ref_logps, mask):
-    """Response-mean k2 loss (spec "PPO and KL reduction": "The baseline k2
-    loss uses the same response-mean reduction"):
+    """Response-mean k2 loss (the same response-mean reduction as the PPO loss):
 
         L_k2 = (1/B) sum_i (1/max(L_i,1)) sum_t m_{i,t} 1/2 (logp - ref_logp)^2
     """

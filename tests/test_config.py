@@ -1,4 +1,4 @@
-"""RPPConfig: the spec's recipes as defaults, every rejection by message, and docs that agree with the fields."""
+"""RPPConfig: the REINFORCE++ recipes as defaults, every rejection by message, and docs that agree with the fields."""
 
 import dataclasses
 import re
@@ -33,7 +33,7 @@ def test_baseline_recipe_defaults():
 
 def test_reinforce_pp_with_kl_loss_instead_of_shaping():
     c = make(kl_coef=0.0, use_kl_loss=True)
-    assert (c.kl_loss_type, c.kl_loss_coef) == ("k1", 0.01)  # the spec's REINFORCE++ recipe names k1
+    assert (c.kl_loss_type, c.kl_loss_coef) == ("k1", 0.01)  # the REINFORCE++ recipe names k1
     c = make(kl_coef=0.0, use_kl_loss=True, kl_loss_type="k2")
     assert (c.kl_loss_type, c.kl_loss_coef) == ("k2", 0.01)
 

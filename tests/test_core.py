@@ -1,4 +1,4 @@
-"""Core numerics against the independent float64 reference (`tests/reference.py`, written from the spec only)."""
+"""Core numerics against the independent float64 reference (`tests/reference.py`, written from the equations only)."""
 
 import inspect
 import math
@@ -255,7 +255,7 @@ def test_hand_response_mean_reduction():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The spec's edge behaviours
+# The edge behaviours of docs/numerics.md
 # ---------------------------------------------------------------------------------------------------------------
 
 

@@ -25,11 +25,53 @@ def test_demo_tiny_learns_and_leaves_every_artifact(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["heldout_before"] < 0.2 and summary["heldout_after"] > 0.8, summary
     card = (out / "README.md").read_text()
-    assert "REINFORCE++" in card
+    # The card names the real base model (a local folder: no link, no None) and the settings that trained it.
+    body = card.split("## Citations")[0]
+    assert "None" not in body and "huggingface.co/None" not in card and "huggingface.co/datasets/" not in card
+    assert f"fine-tuned version of the local checkpoint `{out / 'tiny-base-model'}`" in card
+    assert "on the generated copy task (trl_rpp.tiny)." in card and "trained with REINFORCE++-baseline" in card
+    assert "| `advantage_estimator` | `reinforce_plus_plus_baseline`" in card and "| `kl_loss_type` | `k2` |" in card
+    assert "Stabilizing Critic-Free Policy Optimization with Global Advantage Normalization" in card
+    assert f'model="{out}"' in card
     assert (out / "model.safetensors").exists() and (out / "learning_curve.png").stat().st_size > 10_000
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("advantages/std" in r for r in rows) and any("kl_loss" in r for r in rows)
     assert any(d.startswith("offline-run-") for d in os.listdir(out / "wandb"))
+
+
+@pytest.mark.slow
+def test_demo_on_smollm2_writes_a_card_naming_the_hub_model(tmp_path):
+    """`make demo`'s own path (the GGUF-converted SmolLM2, LoRA), cut to one step: the card names the Hub model the
+    GGUF file came from, the adapter and the dataset, with no None and no broken link."""
+    out = tmp_path / "demo"
+    stdout = run(["examples/demo.py", "--max_steps", "1", "--output_dir", str(out), "--threads", "1"], timeout=1200)
+    assert "held-out greedy accuracy after training" in stdout
+    card = (out / "README.md").read_text()
+    body = card.split("## Citations")[0]
+    assert "None" not in body and "huggingface.co/datasets/" not in card
+    assert ("fine-tuned version of [HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/"
+            "SmolLM2-135M-Instruct) (converted to float32 from the GGUF file `SmolLM2-135M-Instruct") in card
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "library_name: peft" in card
+    assert "on generated arithmetic prompts (examples/demo.py) as a LoRA adapter." in card
+    assert (out / "adapter_config.json").is_file()
+
+
+def _demo_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo", os.path.join(ROOT, "examples", "demo.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "cores, load, threads",
+    [(2, 0.05, 2), (2, 0.4, 2), (2, 1.02, 1), (2, 0.6, 1), (2, 2.5, 1), (2, 7.0, 1), (8, 2.9, 5), (8, 0.0, 8),
+     (1, 0.0, 1), (4, -1.0, 4)],
+)
+def test_demo_threads_are_the_free_cores(cores, load, threads):
+    assert _demo_module().default_threads(cores, load) == threads
 
 
 def test_core_benchmark_runs_small():

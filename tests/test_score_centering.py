@@ -1,4 +1,4 @@
-"""score_centering_correction: the gradient identity of score_centering.txt, checked against full-vocabulary math."""
+"""score_centering_correction: the gradient identity of docs/score_centering.md, checked against full-vocabulary math."""
 
 import math
 

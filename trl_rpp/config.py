@@ -1,4 +1,4 @@
-"""`RPPConfig`: `trl.GRPOConfig` plus the REINFORCE++ fields, with the spec's recipes as defaults."""
+"""`RPPConfig`: `trl.GRPOConfig` plus the REINFORCE++ fields, with the REINFORCE++ recipes as defaults."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from trl import GRPOConfig
 ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 KL_LOSS_TYPES = ("k1", "k2")
 
-# Per-estimator defaults of `reinforce_pp_semantics.txt` for the fields left at `None`.
+# Per-estimator defaults of the REINFORCE++ recipes (`docs/numerics.md`) for the fields left at `None`.
 _RECIPES = {
     "reinforce_plus_plus": dict(kl_coef=0.01, use_kl_loss=False, kl_loss_type="k1", kl_loss_coef=0.0),
     "reinforce_plus_plus_baseline": dict(kl_coef=0.0, use_kl_loss=True, kl_loss_type="k2", kl_loss_coef=0.01),
@@ -31,7 +31,7 @@ class RPPConfig(GRPOConfig):
     Configuration class for the [`RPPTrainer`] (REINFORCE++ and REINFORCE++-baseline).
 
     It extends [`~trl.GRPOConfig`] with the fields below. Fields left at `None` take the recipe of the chosen
-    `advantage_estimator` from the specification (`reinforce_pp_semantics.txt`). Two GRPO defaults change:
+    `advantage_estimator` from the REINFORCE++ recipes (`docs/numerics.md`). Two GRPO defaults change:
     `loss_type="grpo"` (the response-mean reduction the estimators are defined with) and `scale_rewards="none"`
     (the baseline never divides by a group std). Settings that would silently change the estimators are rejected
     when the config is built, with a `ValueError` naming the field and the accepted values.
@@ -65,7 +65,7 @@ class RPPConfig(GRPOConfig):
             processes (population variance, variance floor `1e-8`). Both estimators are defined with it, so `False`
             is rejected.
         gamma (`float`, *optional*, defaults to `1.0`):
-            Discount of the REINFORCE++ returns, in `[0, 1]`. The spec's recipe is `1.0`. Unused by the baseline.
+            Discount of the REINFORCE++ returns, in `[0, 1]`. The REINFORCE++ recipe is `1.0`. Unused by the baseline.
         kl_coef (`float`, *optional*):
             Coefficient of the k1 reference KL folded into the REINFORCE++ token reward. Defaults to `0.01` for
             `"reinforce_plus_plus"` and `0.0` for `"reinforce_plus_plus_baseline"`, which requires `0.0` (its KL is the
@@ -76,7 +76,7 @@ class RPPConfig(GRPOConfig):
             with k1 reward shaping (`kl_coef > 0`), which would count the KL twice.
         kl_loss_type (`str`, *optional*):
             Estimator of the separate KL loss: `"k1"` (`log pi - log pi_ref`) or `"k2"`
-            (`0.5 * (log pi - log pi_ref)^2`). Defaults to the spec's recipe: `"k1"` for `"reinforce_plus_plus"` (the
+            (`0.5 * (log pi - log pi_ref)^2`). Defaults to the recipes: `"k1"` for `"reinforce_plus_plus"` (the
             estimator of its reward shaping; it only matters if the KL loss is turned on instead) and `"k2"` for
             `"reinforce_plus_plus_baseline"`, which accepts only `"k2"`.
         kl_loss_coef (`float`, *optional*):
@@ -121,7 +121,7 @@ class RPPConfig(GRPOConfig):
     )
     gamma: float = field(
         default=1.0,
-        metadata={"help": "Discount of the REINFORCE++ returns, in [0, 1]. The spec's recipe is 1.0. Unused by the baseline."},
+        metadata={"help": "Discount of the REINFORCE++ returns, in [0, 1]. The REINFORCE++ recipe is 1.0. Unused by the baseline."},
     )
     kl_coef: float | None = field(
         default=None,
@@ -143,7 +143,7 @@ class RPPConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Estimator of the separate KL loss: k1 (log pi - log pi_ref) or k2 (0.5 * (log pi - log "
-            "pi_ref)^2). Defaults to the spec's recipe: k1 for reinforce_plus_plus (the estimator of its reward "
+            "pi_ref)^2). Defaults to the REINFORCE++ recipes: k1 for reinforce_plus_plus (the estimator of its reward "
             "shaping; it only matters if the KL loss is turned on instead) and k2 for reinforce_plus_plus_baseline, "
             "which accepts only k2.",
             "choices": list(KL_LOSS_TYPES),
@@ -331,7 +331,7 @@ class RPPConfig(GRPOConfig):
         # GRPO features the REINFORCE++ loss does not implement: rejected rather than silently ignored.
         unsupported = [
             ("importance_sampling_level", "'token'", self.importance_sampling_level != "token",
-             "The spec's ratio is per token."),
+             "The REINFORCE++ ratio is per token."),
             ("top_entropy_quantile", "1.0", self.top_entropy_quantile != 1.0,
              "Dropping low-entropy tokens would change the token population of the loss."),
             ("off_policy_mask_threshold", "None", self.off_policy_mask_threshold is not None,

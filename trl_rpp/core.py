@@ -1,13 +1,14 @@
 """The numerical contract of REINFORCE++ and REINFORCE++-baseline as pure tensor functions.
 
-Everything here follows `reinforce_pp_semantics.txt` (REINFORCE++ arXiv v9 main equations, with the
-OpenRLHF population-variance normalization). The functions take tensors and plain numbers only: no config,
-no trainer, no accelerator. `RPPTrainer` is a thin wiring of TRL's hooks to them.
+Everything here follows the main equations of REINFORCE++ (arXiv:2501.03262 v9), with OpenRLHF's
+population-variance normalization; `docs/numerics.md` states each function's equations. The functions take
+tensors and plain numbers only: no config, no trainer, no accelerator. `RPPTrainer` is a thin wiring of TRL's
+hooks to them.
 
 Shapes: ``B`` responses, ``T`` completion positions, ``K`` = ``num_generations``. A ``mask`` is a bool or
-0/1 tensor ``[B, T]`` selecting the response tokens that count (``m_{i,t}`` in the spec).
+0/1 tensor ``[B, T]`` selecting the response tokens that count (``m_{i,t}`` in `docs/numerics.md`).
 
-Masking contract (spec, "Notation and mask contract"): masked positions are removed by *selection*
+Masking contract (`docs/numerics.md`): masked positions are removed by *selection*
 (`torch.where`), never by multiplication, so NaN or Inf stored at a masked position can never reach a
 valid result, and every returned ``[B, T]`` tensor is exactly zero outside the mask.
 """
@@ -67,7 +68,7 @@ def kl_k1(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor | Non
 
 
 def kl_k2(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """k2 estimator ``0.5 * (log pi - log pi_ref) ** 2`` (spec: ``D^{k2}``).
+    """k2 estimator ``0.5 * (log pi - log pi_ref) ** 2`` (``D^{k2}`` in `docs/numerics.md`).
 
     Args:
         logps: ``[B, T]``; ref_logps: ``[B, T]``; mask: optional ``[B, T]`` (zeros outside it).
@@ -86,7 +87,7 @@ def reinforce_pp_returns(
     kl_coef: float,
     gamma: float = 1.0,
 ) -> torch.Tensor:
-    """REINFORCE++ k1-shaped token returns (spec, "REINFORCE++").
+    """REINFORCE++ k1-shaped token returns (arXiv:2501.03262 v9).
 
     ``r_{i,t} = m_{i,t} * (-kl_coef * (old - ref) + 1[t = T_i] * R_i)`` with ``T_i`` the last valid position
     of row ``i``, and ``G_{i,t} = m_{i,t} * sum_{u >= t} gamma^(u - t) r_{i,u}``. The exponent counts
@@ -103,7 +104,7 @@ def reinforce_pp_returns(
             mask's shape: anything else (a ``[B, 1]`` tensor, say) is a ``ValueError``, never broadcast.
         ref_logps: ``[B, T]`` reference log-probs, or ``None`` when ``kl_coef == 0``. Same shape rule.
         mask: ``[B, T]`` bool or 0/1.
-        kl_coef: ``beta`` of the spec, the k1 shaping coefficient (finite, ``>= 0``).
+        kl_coef: ``beta`` of the paper, the k1 shaping coefficient (finite, ``>= 0``).
         gamma: discount in ``[0, 1]``.
 
     Returns:
@@ -181,7 +182,7 @@ def _discounted_returns(rewards: torch.Tensor, gamma: float, chunk: int = 256) -
 def group_centered_rewards(
     rewards: torch.Tensor, num_generations: int, scorable: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Inclusive group-mean baseline ``C_i = R_i - mean_{j in g} R_j`` (spec, "REINFORCE++-baseline").
+    """Inclusive group-mean baseline ``C_i = R_i - mean_{j in g} R_j`` (REINFORCE++-baseline).
 
     Groups are contiguous blocks of ``num_generations`` rows. The mean includes ``R_i`` itself (not leave-one-out)
     and ``C_i`` is not divided by a group std.
@@ -255,7 +256,7 @@ def _resolve_group(group):
 def global_masked_normalize(
     values: torch.Tensor, mask: torch.Tensor, var_floor: float = 1e-8, group=None, *, allow_empty: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Global masked z-score over every valid token of every process (spec, "Global masked normalization").
+    """Global masked z-score over every valid token of every process (`docs/numerics.md`).
 
     ``mu = (1/N) sum_S A``, ``sigma^2 = (1/N) sum_S (A - mu)^2`` (population variance, two passes: the mean is
     all-reduced first, then the centered squares), and the output is
@@ -317,7 +318,7 @@ def global_masked_normalize(
 
 
 def masked_response_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The spec's response-mean reducer ``(1/B) sum_i (1/max(L_i, 1)) sum_t m_{i,t} x_{i,t}``.
+    """The response-mean reducer ``(1/B) sum_i (1/max(L_i, 1)) sum_t m_{i,t} x_{i,t}``.
 
     Args:
         values: ``[B, T]`` per-token values.
@@ -341,7 +342,7 @@ def response_mean_ppo_loss(
     epsilon_high: float = 0.2,
     importance_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Token PPO clipped surrogate with response-mean reduction (spec, "PPO and KL reduction").
+    """Token PPO clipped surrogate with response-mean reduction (`docs/numerics.md`).
 
     ``rho = exp(logps - old_logps)`` and the token loss is ``max(-rho * A, -clip(rho, 1 - eps_low, 1 + eps_high) * A)``,
     reduced by `masked_response_mean`.
@@ -456,7 +457,9 @@ def score_centering_correction(
     min_tail_mass: float = 1e-6,
     weight_fn=None,
 ) -> torch.Tensor:
-    """Top-k score-centering term ``sum_{v in H} sg[q_v - rho p_v] log p_v`` (`score_centering.txt`).
+    """Top-k score-centering term ``sum_{v in H} sg[q_v - rho p_v] log p_v`` (arXiv:2609.20807).
+
+    Marek & Ryabinin's correction for sampler/trainer mismatch, with the top-k estimate of `docs/score_centering.md`.
 
     ``H`` is the sampler's head (its top-k token ids at a position), ``q`` the sampler's probabilities and ``p``
     the trainer's, and ``rho = (1 - sum_H q) / (1 - sum_H p)`` rescales the trainer's tail to the sampler's tail
@@ -499,7 +502,7 @@ def score_centered_ppo_loss(
     importance_weights: torch.Tensor | None = None,
     weight_fn=None,
 ) -> torch.Tensor:
-    """`response_mean_ppo_loss` with the score of every valid token centered (score_centering.txt).
+    """`response_mean_ppo_loss` with the score of every valid token centered (`docs/score_centering.md`).
 
     The clipped surrogate's gradient at a token is ``-A * w * grad log p_y`` with ``w = rho_t`` when the unclipped
     branch is active and ``w = 0`` when the clipped one is. The centered loss adds ``sg[A * w] * correction``, so the

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import textwrap
 import warnings
 
 import torch
@@ -26,6 +25,7 @@ from .core import (
     score_centering_coefficients,
 )
 from .distributed import check_normalization_group
+from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_func
 from .sampling import (
     SamplerTopKCapture,
@@ -80,7 +80,7 @@ class RPPTrainer(GRPOTrainer):
        The loss is divided by the gradient-accumulation steps as in GRPO's `"grpo"` loss type.
     4. **Metrics.** `advantages/*`, `returns/*`, `ref_kl/k1_mean`, `ppo_kl`, `kl_loss`, `policy_loss`, reduced across
        processes (see `docs/metrics.md`), next to GRPO's own.
-    5. **Model card.** Named "REINFORCE++" with the REINFORCE++ citation and tags.
+    5. **Model card.** Names the real base model and records the estimator's settings (`trl_rpp.model_card`).
     6. **vLLM.** With `use_vllm=True`, GRPO's generation and its importance-sampling ratio are kept; the ratio weights
        each token's loss as in GRPO.
     7. **Score centering** (`score_centering=True`, off by default). The top-k ids and log-probs of the sampling
@@ -93,18 +93,7 @@ class RPPTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "rpp", "reinforce-plus-plus"]
     _name = "REINFORCE++"
-    _paper = {
-        "title": "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models",
-        "id": "2501.03262",
-        # docstyle-ignore
-        "citation": textwrap.dedent("""\
-            @article{hu2025reinforce,
-                title        = {{REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models}},
-                author       = {Jian Hu and others},
-                year         = 2025,
-                eprint       = {arXiv:2501.03262},
-            }"""),
-    }
+    _paper = REINFORCE_PP_PAPER
 
     def __init__(
         self, model, reward_funcs=None, args: RPPConfig | None = None, train_dataset=None, eval_dataset=None, **kwargs
@@ -164,6 +153,13 @@ class RPPTrainer(GRPOTrainer):
         model = self.accelerator.unwrap_model(self.model)
         merged = {**model.generation_config.to_dict(), **self.generation_kwargs}
         check_exact_sampling(merged, self.temperature, where="the model's generation config: ")
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's card, written by `trl_rpp.model_card`: the real base model (never a `None` link), the dataset, the
+        estimator's settings, and the REINFORCE++ (and, when on, score-centering) citations."""
+        if self.is_world_process_zero():
+            card = build_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
+            card.save(os.path.join(self.args.output_dir, "README.md"))
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints: the buffered generation batch outlives an optimizer step when steps_per_generation or

@@ -1,0 +1,221 @@
+"""The `trl-rpp` CLI (`trl_rpp/cli.py`): flags, datasets and splits, rewards, dry run, and the console script.
+
+The slow test runs `python -m trl_rpp.cli` end to end on a tiny local model (the shared venv's `trl-rpp` script
+points at another checkout, so the module is what the tests launch; `test_console_script_*` checks the entry point
+that `pip install` turns into the `trl-rpp` command).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import PathDistribution
+from pathlib import Path
+
+import pytest
+
+from trl_rpp import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", PYTHONPATH=str(REPO))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def _args(*extra):
+    base = ["--model_name_or_path", "m", "--output_dir", "unused", "--use_cpu", "--bf16", "false",
+            "--report_to", "none"]  # fmt: skip
+    return cli.make_parser().parse_args_and_config([*base, *extra])
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+ROWS = [{"prompt": "a:", "answer": "1"}, {"prompt": "b:", "answer": "2"}]
+
+
+# -- flags ---------------------------------------------------------------------------------------------------------
+
+
+def test_no_offered_negation_always_fails():
+    """Every `--no_<field>` the parser offers builds a config; the one RPPConfig always rejects is not offered."""
+    parser = cli.make_parser()
+    negations = [a.option_strings[0] for a in parser._actions if a.option_strings and a.option_strings[0].startswith("--no_")]
+    assert "--no_normalize_advantages" not in negations and "--no_normalize_advantages" not in parser.format_help()
+    assert "--no_shuffle_dataset" in negations  # the removal is targeted, not all negations
+    for flag in negations:
+        _args(flag)  # raises if RPPConfig rejects it
+    with pytest.raises(ValueError, match=r"not used.*--no_normalize_advantages"):
+        _args("--no_normalize_advantages")
+
+
+def test_help_lists_the_rpp_fields_and_the_script_arguments():
+    text = cli.make_parser().format_help()
+    for flag in ("--advantage_estimator", "--kl_coef", "--use_kl_loss", "--reward_funcs", "--eval_dataset_name",
+                 "--dry_run", "--dataset_test_split"):  # fmt: skip
+        assert flag in text, flag
+
+
+# -- datasets and splits ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["json", "jsonl", "csv", "parquet", "dir", "save_to_disk"])
+def test_local_dataset_formats(tmp_path, fmt):
+    from datasets import Dataset
+
+    ds = Dataset.from_list(ROWS)
+    if fmt in ("json", "jsonl"):
+        path = tmp_path / f"d.{fmt}"
+        ds.to_json(str(path), lines=fmt == "jsonl")
+    elif fmt == "csv":
+        path = tmp_path / "d.csv"
+        ds.to_csv(str(path), index=False)
+    elif fmt == "parquet":
+        path = tmp_path / "d.parquet"
+        ds.to_parquet(str(path))
+    elif fmt == "dir":
+        path = tmp_path / "data"
+        path.mkdir()
+        ds.to_json(str(path / "train.jsonl"))
+    else:
+        path = tmp_path / "saved"
+        ds.save_to_disk(str(path))
+    assert cli.load_prompt_dataset(str(path))["prompt"] == ["a:", "b:"]
+
+
+def test_dataset_without_prompt_column_fails_early(tmp_path):
+    data = _write(tmp_path / "bad.jsonl", [{"question": "1+1?", "answer": "2"}])
+    with pytest.raises(ValueError, match=r"no 'prompt' column.*(question.*answer|answer.*question)"):
+        cli.load_prompt_dataset(str(data))
+
+
+def test_single_file_never_evaluates_on_its_training_rows(tmp_path):
+    data = _write(tmp_path / "train.jsonl", ROWS)
+    script_args, args, _ = _args("--dataset_name", str(data), "--eval_strategy", "steps", "--eval_steps", "1")
+    with pytest.raises(ValueError, match=r"--eval_strategy 'steps' needs evaluation data.*single split.*--eval_dataset_name"):
+        cli.load_datasets(script_args, args)
+    # Asking a single file for another split is an error too (it has only one).
+    with pytest.raises(ValueError, match=r"single split, so split 'validation' does not exist"):
+        cli.load_prompt_dataset(str(data), split="validation")
+    script_args, args, _ = _args("--dataset_name", str(data), "--dataset_train_split", "validation")
+    with pytest.raises(ValueError, match="single split"):
+        cli.load_datasets(script_args, args)
+
+
+def test_eval_file_is_used_for_evaluation(tmp_path):
+    train = _write(tmp_path / "train.jsonl", ROWS)
+    held_out = _write(tmp_path / "held_out.jsonl", [{"prompt": "z:", "answer": "9"}])
+    script_args, args, _ = _args("--dataset_name", str(train), "--eval_strategy", "steps", "--eval_steps", "1",
+                                 "--eval_dataset_name", str(held_out))  # fmt: skip
+    train_ds, eval_ds = cli.load_datasets(script_args, args)
+    assert train_ds["prompt"] == ["a:", "b:"] and eval_ds["prompt"] == ["z:"]
+    # Without evaluation, an eval file would be silently unused: rejected.
+    script_args, args, _ = _args("--dataset_name", str(train), "--eval_dataset_name", str(held_out))
+    with pytest.raises(ValueError, match="--eval_strategy is 'no'"):
+        cli.load_datasets(script_args, args)
+
+
+def test_directory_splits_train_and_test(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    _write(data / "train.jsonl", ROWS)
+    _write(data / "test.jsonl", [{"prompt": "t:", "answer": "3"}])
+    script_args, args, _ = _args("--dataset_name", str(data), "--eval_strategy", "steps", "--eval_steps", "1")
+    train_ds, eval_ds = cli.load_datasets(script_args, args)
+    assert train_ds["prompt"] == ["a:", "b:"] and eval_ds["prompt"] == ["t:"]
+    # A split the directory does not have is an error, not a fallback to another split.
+    script_args, args, _ = _args("--dataset_name", str(data), "--eval_strategy", "steps", "--eval_steps", "1",
+                                 "--dataset_test_split", "validation")  # fmt: skip
+    with pytest.raises(ValueError, match="validation"):
+        cli.load_datasets(script_args, args)
+
+
+def test_saved_dataset_dict_splits(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    path = tmp_path / "dd"
+    DatasetDict(train=Dataset.from_list(ROWS), test=Dataset.from_list([{"prompt": "t:", "answer": "3"}])).save_to_disk(str(path))
+    assert cli.load_prompt_dataset(str(path), split="test")["prompt"] == ["t:"]
+    with pytest.raises(ValueError, match=r"no split 'validation'; its splits are \['test', 'train'\]"):
+        cli.load_prompt_dataset(str(path), split="validation")
+
+
+# -- rewards -------------------------------------------------------------------------------------------------------
+
+
+def test_reward_registry():
+    from trl_rpp import RPPConfig
+
+    args = RPPConfig(output_dir="unused", use_cpu=True, bf16=False, max_completion_length=16, report_to="none")
+    names = ["final_answer", "copy_first_char", "exact_answer", "get_soft_overlong_punishment", "think_format_reward"]
+    funcs = cli.resolve_reward_funcs(names, args)
+    assert len(funcs) == 5 and all(callable(f) for f in funcs)
+    assert funcs[0](["so \\boxed{12}"], answer=["12"]) == [1.0]
+    with pytest.raises(ValueError, match=r"'nope'.*accepted names:.*copy_first_char.*exact_answer.*final_answer"):
+        cli.resolve_reward_funcs(["copy_first_char", "nope"], args)
+    with pytest.raises(ValueError, match="accepted names"):
+        cli.resolve_reward_funcs([], args)
+
+
+def test_exact_answer_scores_the_first_integer():
+    completions = ["The answer is 1,234.", [{"role": "assistant", "content": "-7 apples"}], "no number", "12 then 3"]
+    assert cli.exact_answer(completions, ["step 1... #### 1234", "-7", "3", "3"]) == [1.0, 1.0, 0.0, 0.0]
+
+
+# -- dry run -------------------------------------------------------------------------------------------------------
+
+
+def test_dry_run_prints_the_resolved_configuration(capsys):
+    cli.main(["--model_name_or_path", "m", "--dataset_name", "d", "--reward_funcs", "final_answer", "--use_cpu",
+              "--bf16", "false", "--advantage_estimator", "reinforce_plus_plus_baseline", "--output_dir", "o",
+              "--report_to", "none", "--dry_run"])  # fmt: skip
+    config = json.loads(capsys.readouterr().out)
+    # Per-estimator defaults resolved by RPPConfig, not the None the flags left.
+    assert (config["kl_coef"], config["use_kl_loss"], config["kl_loss_type"], config["kl_loss_coef"]) == (0.0, True, "k2", 0.01)
+    assert (config["loss_type"], config["scale_rewards"], config["beta"]) == ("grpo", "none", 0.0)
+    assert config["reward_funcs"] == ["final_answer"] and config["model_name_or_path"] == "m"
+    assert "note" not in config
+
+
+# -- console script ------------------------------------------------------------------------------------------------
+
+
+def test_console_script_is_declared_and_resolves_to_the_cli(tmp_path):
+    """setup.py's metadata (as `pip install` would write it) declares `trl-rpp`, and it loads `trl_rpp.cli.main`."""
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (egg_info,) = tmp_path.glob("*.egg-info")
+    scripts = [ep for ep in PathDistribution(egg_info).entry_points if ep.group == "console_scripts"]
+    assert [(ep.name, ep.value) for ep in scripts] == [("trl-rpp", "trl_rpp.cli:main")]
+    assert scripts[0].load() is cli.main
+
+
+@pytest.mark.slow
+def test_cli_trains_with_train_and_test_splits_and_writes_the_card(tmp_path):
+    from trl_rpp.tiny import build_tiny_model, copy_task_dataset
+
+    model = build_tiny_model(tmp_path / "m")
+    data = tmp_path / "data"
+    data.mkdir()
+    _write(data / "train.jsonl", copy_task_dataset(32, seed=1))
+    _write(data / "test.jsonl", copy_task_dataset(8, seed=2))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "trl_rpp.cli", "--model_name_or_path", model, "--dataset_name", str(data),
+           "--reward_funcs", "copy_first_char", "--max_steps", "2", "--per_device_train_batch_size", "8",
+           "--per_device_eval_batch_size", "8", "--num_generations", "4", "--max_completion_length", "2",
+           "--eval_strategy", "steps", "--eval_steps", "2", "--logging_steps", "1", "--use_cpu", "--bf16", "false",
+           "--report_to", "none",
+           "--output_dir", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert (out / "model.safetensors").is_file()
+    log = proc.stdout + proc.stderr
+    assert "'eval_reward'" in log and "'advantages/raw_mean'" in log  # it evaluated on the test split
+    card = (out / "README.md").read_text()
+    assert "REINFORCE++" in card and "None" not in card

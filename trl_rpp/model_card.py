@@ -1,0 +1,232 @@
+"""The model card `RPPTrainer.create_model_card` writes: the real base model, the dataset, the REINFORCE++
+settings that trained the model, and the citations.
+
+TRL's card (`trl.trainer.utils.generate_model_card`) links `https://huggingface.co/<base_model>` and
+`https://huggingface.co/datasets/<dataset_name>` whatever the names are, so a local checkpoint gives
+"[None](https://huggingface.co/None)" and a local or generated dataset a broken link. Here a name is linked only
+when it is a Hub id; a local folder is named as a path, and a folder converted by `trl_rpp.assets` from a GGUF
+file names the Hub model it came from (its `trl_rpp_conversion.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+REINFORCE_PP_PAPER = {
+    # arXiv:2501.03262 under its current (v9) title; v1 was "REINFORCE++: A Simple and Efficient Approach for
+    # Aligning Large Language Models", v2-v8 "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both
+    # Prompt and Reward Models".
+    "title": "REINFORCE++: Stabilizing Critic-Free Policy Optimization with Global Advantage Normalization",
+    "id": "2501.03262",
+    "citation": """@article{hu2025reinforceplusplus,
+    title        = {{REINFORCE++: Stabilizing Critic-Free Policy Optimization with Global Advantage Normalization}},
+    author       = {Jian Hu and Jason Klein Liu and Haotian Xu and Wei Shen},
+    year         = 2025,
+    eprint       = {arXiv:2501.03262},
+}""",
+}
+
+SCORE_CENTERING_PAPER = {
+    "title": "Score Centering Stabilizes Off-policy Reinforcement Learning",
+    "id": "2609.20807",
+    "citation": """@article{marek2026scorecentering,
+    title        = {{Score Centering Stabilizes Off-policy Reinforcement Learning}},
+    author       = {Martin Marek and Max Ryabinin},
+    year         = 2026,
+    eprint       = {arXiv:2609.20807},
+}""",
+}
+
+TRL_CITATION = """@software{vonwerra2020trl,
+    title        = {{TRL: Transformers Reinforcement Learning}},
+    author       = {von Werra, Leandro and Belkada, Younes and Tunstall, Lewis and Beeching, Edward and Thrush, Tristan and Lambert, Nathan and Huang, Shengyi and Rasul, Kashif and Gallou{\\'e}dec, Quentin},
+    license      = {Apache-2.0},
+    url          = {https://github.com/huggingface/trl},
+    year         = 2020,
+}"""
+
+#: Provenance file that `trl_rpp.assets` writes into a checkpoint it converted from a GGUF file.
+CONVERSION_MARKER = "trl_rpp_conversion.json"
+
+_MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_DATASET_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # Hub datasets are namespaced
+_ESTIMATOR_NAMES = {"reinforce_plus_plus": "REINFORCE++", "reinforce_plus_plus_baseline": "REINFORCE++-baseline"}
+
+
+def describe_base_model(name_or_path: str | None) -> tuple[str | None, str]:
+    """`(Hub id or None, Markdown phrase)` for the model a run started from."""
+    if not name_or_path:
+        return None, "a model passed to the trainer as an object, whose name or path was not recorded"
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        marker = path / CONVERSION_MARKER
+        if marker.is_file():
+            info = json.loads(marker.read_text())
+            converted = f"converted to float32 from the GGUF file `{info.get('source_gguf', '?')}`"
+            hub = info.get("base_model")
+            if hub:
+                return hub, f"[{hub}](https://huggingface.co/{hub}) ({converted}, loaded from the local folder `{path}`)"
+            return None, f"a local checkpoint {converted} (`{path}`)"
+        return None, f"the local checkpoint `{path}`"
+    if _MODEL_ID.match(name_or_path):
+        return name_or_path, f"[{name_or_path}](https://huggingface.co/{name_or_path})"
+    return None, f"`{name_or_path}`"
+
+
+def describe_dataset(name: str | None) -> tuple[str | None, str | None]:
+    """`(Hub id or None, Markdown phrase or None)` for the training data."""
+    if not name:
+        return None, None
+    if Path(name).expanduser().exists():
+        return None, f"the local dataset `{name}`"
+    if _DATASET_ID.match(name):
+        return name, f"the [{name}](https://huggingface.co/datasets/{name}) dataset"
+    return None, f"{name}"
+
+
+def training_settings(args) -> list[tuple[str, str]]:
+    """The REINFORCE++ settings of an `RPPConfig`, as (setting, value) rows."""
+    estimator = args.advantage_estimator
+    kl_loss_note = "" if args.use_kl_loss else " (inactive: `use_kl_loss=False`)"
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high  # as GRPOTrainer resolves it
+    rows = [
+        ("`advantage_estimator`", f"`{estimator}` ({_ESTIMATOR_NAMES.get(estimator, estimator)})"),
+        ("`normalize_advantages`", f"`{args.normalize_advantages}` (global masked z-score over every valid token of "
+                                   "the generation batch, population variance, floor 1e-8)"),
+        ("`gamma`", f"`{args.gamma}`" + ("" if estimator == "reinforce_plus_plus" else " (unused by the baseline)")),
+        ("`kl_coef`", f"`{args.kl_coef}` (k1 reference KL folded into the token reward)"),
+        ("`use_kl_loss`", f"`{args.use_kl_loss}`"),
+        ("`kl_loss_type`", f"`{args.kl_loss_type}`{kl_loss_note}"),
+        ("`kl_loss_coef`", f"`{args.kl_loss_coef}`{kl_loss_note}"),
+        ("`score_centering`", f"`{args.score_centering}`"
+                              + (f" (top-k `{args.score_centering_top_k}`)" if args.score_centering else "")),
+        ("`num_generations`", f"`{args.num_generations}`"),
+        ("`loss_type`, `scale_rewards`, `beta`", f"`{args.loss_type}`, `{args.scale_rewards}`, `{args.beta}`"),
+        ("`epsilon`, `epsilon_high`", f"`{args.epsilon}`, `{epsilon_high}`"),
+        ("`learning_rate`", f"`{args.learning_rate}`"),
+        ("`temperature`, `max_completion_length`", f"`{args.temperature}`, `{args.max_completion_length}`"),
+    ]
+    return rows
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def render_model_card(
+    *,
+    args,
+    base_model: str | None,
+    model_name: str | None = None,
+    dataset_name: str | None = None,
+    hub_model_id: str | None = None,
+    tags: list[str] | None = None,
+    wandb_url: str | None = None,
+    peft_type: str | None = None,
+) -> str:
+    """The card's full text (YAML metadata and Markdown) for a run with `args` (an `RPPConfig`)."""
+    from huggingface_hub import ModelCardData
+
+    base_id, base_text = describe_base_model(base_model)
+    dataset_id, dataset_text = describe_dataset(dataset_name)
+    model_name = model_name or Path(str(args.output_dir)).name
+    load_from = hub_model_id or str(args.output_dir)
+    card_data = ModelCardData(
+        base_model=base_id,
+        datasets=[dataset_id] if dataset_id else None,
+        library_name="peft" if peft_type else "transformers",
+        model_name=model_name,
+        tags=["generated_from_trainer", *(tags or [])],
+    )
+    estimator = _ESTIMATOR_NAMES.get(args.advantage_estimator, args.advantage_estimator)
+    adapter = f" as a {peft_type} adapter" if peft_type else ""
+    trained_on = f" on {dataset_text}" if dataset_text else ""
+    settings = "\n".join(f"| {k} | {v} |" for k, v in training_settings(args))
+    paper = REINFORCE_PP_PAPER
+    method = f"[{paper['title']}](https://huggingface.co/papers/{paper['id']}) (arXiv:{paper['id']})"
+    citations = [f"Cite REINFORCE++ as:\n\n```bibtex\n{paper['citation']}\n```"]
+    if args.score_centering:
+        sc = SCORE_CENTERING_PAPER
+        method += (f", with the score-centering correction of [{sc['title']}](https://huggingface.co/papers/{sc['id']}) "
+                   f"(arXiv:{sc['id']})")
+        citations.append(f"Cite score centering as:\n\n```bibtex\n{sc['citation']}\n```")
+    citations.append(f"Cite TRL as:\n\n```bibtex\n{TRL_CITATION}\n```")
+    wandb = f"\nTraining run: [Weights & Biases]({wandb_url})\n" if wandb_url else ""
+    citation_text = "\n\n".join(citations)
+    return f"""---
+{card_data.to_yaml()}
+---
+
+# Model card for {model_name}
+
+This model is a fine-tuned version of {base_text}{trained_on}{adapter}.
+It was trained with {estimator} by `trl_rpp`'s `RPPTrainer`, a subclass of
+[TRL](https://github.com/huggingface/trl)'s `GRPOTrainer`; {estimator} is the method of {method}.
+
+## Quick start
+
+```python
+from transformers import pipeline
+
+generator = pipeline("text-generation", model="{load_from}", device_map="auto")
+output = generator([{{"role": "user", "content": "What is 17 + 25?"}}], max_new_tokens=64, return_full_text=False)[0]
+print(output["generated_text"])
+```
+
+## Training procedure
+{wandb}
+| setting | value |
+| --- | --- |
+{settings}
+
+### Framework versions
+
+- trl_rpp: {_version("trl_rpp")}
+- TRL: {_version("trl")}
+- Transformers: {_version("transformers")}
+- PyTorch: {_version("torch")}
+- Datasets: {_version("datasets")}
+- Tokenizers: {_version("tokenizers")}
+
+## Citations
+
+{citation_text}
+"""
+
+
+def build_model_card(trainer, model_name=None, dataset_name=None, tags=None):
+    """A `huggingface_hub.ModelCard` for `trainer` (an `RPPTrainer`)."""
+    import os
+
+    from huggingface_hub import ModelCard
+
+    config = getattr(trainer.model, "config", None)
+    base_model = getattr(config, "_name_or_path", None)
+    peft_config = getattr(trainer.model, "peft_config", None)
+    peft_type = None
+    if peft_config:
+        first = next(iter(peft_config.values()))
+        peft_type = str(getattr(first.peft_type, "value", first.peft_type))
+        peft_type = {"LORA": "LoRA"}.get(peft_type, peft_type)
+    tags = {tags} if isinstance(tags, str) else set(tags or [])
+    tags.update(trainer._tag_names)
+    if "JOB_ID" in os.environ:
+        tags.add("hf_jobs")
+    wandb_url = None
+    try:
+        import wandb
+
+        wandb_url = wandb.run.url if wandb.run is not None else None
+    except ImportError:
+        pass
+    text = render_model_card(
+        args=trainer.args, base_model=base_model, model_name=model_name, dataset_name=dataset_name,
+        hub_model_id=trainer.hub_model_id, tags=sorted(tags), wandb_url=wandb_url, peft_type=peft_type,
+    )
+    return ModelCard(text)
