@@ -3,7 +3,6 @@ says what the docs say, and every command in the docs parses: accelerate's launc
 the script's flags into `RPPConfig` and friends with the script's own parser, `trl vllm-serve`'s flags with TRL's.
 Running the files for real, with the trainer, is tests/test_engines.py (CPU, 2 processes)."""
 
-import importlib.util
 import re
 import shlex
 from pathlib import Path
@@ -52,14 +51,10 @@ def test_launch_files_load_and_match_the_docs():
 
 @pytest.fixture(scope="module")
 def script_parser():
-    from trl import ModelConfig, TrlParser
+    # examples/rpp.py is the `trl-rpp` command as a script: both parse with `trl_rpp.cli.make_parser`.
+    from trl_rpp.cli import make_parser
 
-    from trl_rpp import RPPConfig
-
-    spec = importlib.util.spec_from_file_location("examples_rpp", REPO / "examples" / "rpp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return TrlParser((module.RPPScriptArguments, RPPConfig, ModelConfig))
+    return make_parser()
 
 
 def test_every_command_in_the_docs_parses(script_parser):

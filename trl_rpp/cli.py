@@ -31,7 +31,7 @@ from trl import ScriptArguments
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # `--no_<field>` complements that HfArgumentParser adds for boolean fields defaulting to True, but whose False is
 # always rejected by RPPConfig: offering them would only produce an error (tests/test_cli.py checks the rest build).
-_REJECTED_NEGATIONS = ("--no_normalize_advantages",)
+_REJECTED_NEGATIONS = ("--no_normalize_advantages", "--no_use_bias_correction_kl")
 
 
 @dataclass
