@@ -59,7 +59,7 @@ def first_integer_reward(completions, answer, **kwargs):
 
 
 def copy_rows(n, seed):
-    from trl_rpp.tiny import copy_task_dataset
+    from trl_rpp.testing.tiny import copy_task_dataset
 
     return [dict(r, answer=r["prompt"][0]) for r in copy_task_dataset(n, seed=seed)]
 
@@ -122,7 +122,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if a.tiny:
-        from trl_rpp.tiny import build_tiny_model
+        from trl_rpp.testing.tiny import build_tiny_model
 
         model_path = build_tiny_model(os.path.join(output_dir, "tiny-base-model"))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -134,7 +134,7 @@ def main(argv=None):
         )
         peft_config = None
     else:
-        from trl_rpp.assets import smollm2_path
+        from trl_rpp.testing.assets import smollm2_path
 
         print("[demo] locating SmolLM2-135M-Instruct (the first run converts the GGUF file, ~20-45 s)", flush=True)
         model_path = str(smollm2_path())

@@ -20,7 +20,7 @@ from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 
 from trl_rpp import RPPConfig, RPPTrainer
-from trl_rpp.tiny import copy_first_char_reward
+from trl_rpp.testing.tiny import copy_first_char_reward
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 _INT = re.compile(r"-?\d+(?:,\d{3})*")

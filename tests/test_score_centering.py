@@ -74,7 +74,7 @@ def test_on_a_tiny_model_in_float64(tmp_path):
     """Same identity through a real (tiny, float64) transformer's logits."""
     from transformers import AutoModelForCausalLM
 
-    from trl_rpp.tiny import build_tiny_model
+    from trl_rpp.testing.tiny import build_tiny_model
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"), dtype=torch.float64)
     ids = torch.tensor([[3, 4, 5, 6, 7]])

@@ -15,7 +15,7 @@ from test_trainer import (  # noqa: F401 (fixture)
     tiny_model,
 )
 from trl_rpp import RPPTrainer
-from trl_rpp.tiny import copy_first_char_reward, copy_task_dataset
+from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

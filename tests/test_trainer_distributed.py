@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from reference import ref_global_masked_normalize, ref_group_mean_advantages, ref_reinforce_pp_returns
-from trl_rpp.tiny import build_tiny_model
+from trl_rpp.testing.tiny import build_tiny_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
