@@ -69,6 +69,15 @@ def test_score_centering_benchmarks_run_small(tmp_path):
     assert "relative error" in out and (tmp_path / "score_centering_fidelity_tiny.png").stat().st_size > 10_000
 
 
+
+def test_score_centering_memory_benchmark_runs_small():
+    out = run(["benchmarks/score_centering_memory.py", "--vocab", "512", "--hidden", "16", "--batch", "2",
+               "--completion_length", "8", "--top_k", "4"])
+    rows = [line for line in out.splitlines() if line.startswith(("| off |", "| on |"))]
+    assert len(rows) == 2, out
+    ratio = float(out.split("ratio on/off (process peak RSS):")[1].split()[0])
+    assert 0.5 < ratio < 2.0, out  # at this size both peaks are the Python and torch runtime
+
 @pytest.mark.slow
 def test_compare_estimators_mismatch_arms_run_and_correct_as_documented(tmp_path):
     args = ["benchmarks/compare_estimators.py", "--tiny", "--seeds", "0", "--steps", "2", "--heldout", "16",

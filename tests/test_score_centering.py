@@ -280,11 +280,13 @@ def ref_logps_and_entropy(logits, completion_ids, head_ids, temperature):
     return logps, head, torch.tensor(ent, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("chunk_size", [3, 128])
-def test_sampled_and_head_logps_equal_full_log_softmax_values_and_gradients(dtype, chunk_size):
+def test_sampled_and_head_logps_equal_full_log_softmax_values_and_gradients(dtype, chunk_size, overwrite):
     """Same values and the same logits gradient as the full float64 log_softmax, across chunk boundaries (T = 7),
-    with duplicate ids (the sampled token inside its head, and a repeated head id) and extra leading positions."""
+    with duplicate ids (the sampled token inside its head, and a repeated head id) and extra leading positions;
+    also when the backward writes the gradient into the logits' storage (as behind a model's head)."""
     from trl_rpp import sampled_and_head_logps
 
     g = torch.Generator().manual_seed(0)
@@ -297,10 +299,11 @@ def test_sampled_and_head_logps_equal_full_log_softmax_values_and_gradients(dtyp
     w_y, w_h = torch.randn(B, T, generator=g, dtype=torch.float64), torch.randn(B, T, k, generator=g, dtype=torch.float64)
 
     mine = logits.clone().requires_grad_()
-    logps, head_logps, ent = sampled_and_head_logps(mine, ids, head, temp, chunk_size=chunk_size)
+    head_out = mine * 1.0  # a non-leaf, like the output of a model's head
+    logps, head_logps, ent = sampled_and_head_logps(head_out, ids, head, temp, chunk_size, overwrite_logits=overwrite)
     assert logps.dtype == head_logps.dtype == ent.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert not ent.requires_grad
-    ((logps.double() * w_y).sum() + (head_logps.double() * w_h).sum()).backward()
+    ((logps.double() * w_y).sum() + (head_logps.double() * w_h).sum()).backward(retain_graph=True)
 
     ref = logits.double().requires_grad_()
     r_logps, r_head, r_ent = ref_logps_and_entropy(ref, ids, head, temp)
@@ -311,3 +314,7 @@ def test_sampled_and_head_logps_equal_full_log_softmax_values_and_gradients(dtyp
     torch.testing.assert_close(ent.double(), r_ent, **tol)
     torch.testing.assert_close(mine.grad.double(), ref.grad, **tol)
     assert mine.grad[:, : S - T - 1].abs().sum() == 0 and mine.grad[:, -1].abs().sum() == 0
+    if overwrite:  # the logits' storage now holds their gradient: replaying the graph on it raises
+        assert torch.equal(head_out.detach(), mine.grad)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (logps.sum() + head_logps.sum()).backward()

@@ -30,6 +30,7 @@ def sampled_and_head_logps(
     head_ids: torch.Tensor,
     temperature: float = 1.0,
     chunk_size: int = 128,
+    overwrite_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Trainer log-probs of the sampled tokens and of the sampler's head ids, and the entropies, at `temperature`.
 
@@ -38,6 +39,9 @@ def sampled_and_head_logps(
     computed ``chunk_size`` positions at a time, so that besides the logits the forward produced, no tensor of the
     vocabulary's size exists in the forward, and the backward writes the logits' gradient into one tensor. That is
     ``log_softmax(z / temperature).gather(...)`` with the same value and gradient, without its ``[B, T, V]`` copies.
+    With ``overwrite_logits=True`` that one tensor is the logits' own storage: each chunk is read, then overwritten
+    by its gradient, so the backward allocates nothing of the vocabulary's size. Use it only when nothing reads the
+    logits after the backward (a causal LM's head does not); a second backward through the same graph then raises.
 
     Args:
         logits: ``[B, S, V]`` model logits with ``S >= T + 1``, position ``S - T - 1 + t`` predicting completion token
@@ -46,13 +50,14 @@ def sampled_and_head_logps(
         head_ids: ``[B, T, k]`` the sampler's head ids.
         temperature: the sampling temperature the logits are divided by.
         chunk_size: positions per chunk of the vocabulary-wide reductions.
+        overwrite_logits: let the backward write the gradient into ``logits`` (see above).
 
     Returns:
         ``(logps [B, T], head_logps [B, T, k], entropies [B, T])``, in float32 (float64 for float64 logits); the
         entropies carry no gradient.
     """
     ids = torch.cat([completion_ids.unsqueeze(-1), head_ids], dim=-1)
-    picked, entropies = _GatheredLogSoftmax.apply(logits, ids, float(temperature), int(chunk_size))
+    picked, entropies = _GatheredLogSoftmax.apply(logits, ids, float(temperature), int(chunk_size), overwrite_logits)
     return picked[..., 0], picked[..., 1:], entropies
 
 
@@ -67,7 +72,7 @@ class _GatheredLogSoftmax(torch.autograd.Function):
     positions of ``logits``. Saves the logits and one logsumexp per position; no ``[B, T, V]`` temporary."""
 
     @staticmethod
-    def forward(ctx, logits, ids, temperature, chunk_size):
+    def forward(ctx, logits, ids, temperature, chunk_size, overwrite):
         from trl.trainer.utils import entropy_from_logits  # loaded at first use: `import trl_rpp` stays TRL-free
 
         B, S, _ = logits.shape
@@ -82,7 +87,7 @@ class _GatheredLogSoftmax(torch.autograd.Function):
             entropies[b, ts] = entropy_from_logits(scaled, chunk_size)
         picked = z.gather(-1, ids).to(acc) / temperature - lse.unsqueeze(-1)
         ctx.save_for_backward(logits, ids, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.overwrite = temperature, chunk_size, overwrite
         ctx.mark_non_differentiable(entropies)
         return picked, entropies
 
@@ -92,16 +97,22 @@ class _GatheredLogSoftmax(torch.autograd.Function):
         t = ctx.temperature
         B, S, _ = logits.shape
         T = ids.size(1)
-        grad_logits = torch.zeros_like(logits)
+        if ctx.overwrite:  # positions outside the completion get no gradient; the others are overwritten below
+            grad_logits = logits
+            grad_logits[:, : S - T - 1].zero_()
+            grad_logits[:, S - 1 :].zero_()
+        else:
+            grad_logits = torch.zeros_like(logits)
         z, grad_z = logits[:, S - T - 1 : S - 1], grad_logits[:, S - T - 1 : S - 1]
         grad_picked = grad_picked.to(lse.dtype)
         total = grad_picked.sum(-1, keepdim=True)
         # d log p_v / d z_u = (1[u = v] - p_u) / t: minus p times the summed upstream gradient, plus one-hot terms.
+        # Each chunk of z is read (into p) before its gradient is written, so z and grad_z may share storage.
         for b, ts in _row_chunks(B, T, ctx.chunk_size):
             p = torch.exp(z[b, ts].to(lse.dtype) / t - lse[b, ts].unsqueeze(-1))
             g = (-p * total[b, ts]).scatter_add_(-1, ids[b, ts], grad_picked[b, ts])
             grad_z[b, ts] = g / t
-        return grad_logits, None, None, None
+        return grad_logits, None, None, None, None
 
 
 def score_centering_coefficients(

@@ -340,8 +340,9 @@ class RPPTrainer(GRPOTrainer):
         T = inputs["completion_ids"].size(1)
         with self.accelerator.autocast():
             logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1).logits
+        # Nothing reads the logits after the backward: it may write their gradient in place (no second [B, T, V]).
         logps, head_logps, entropies = sampled_and_head_logps(
-            logits, inputs["completion_ids"], inputs["sampler_head_ids"], self.temperature
+            logits, inputs["completion_ids"], inputs["sampler_head_ids"], self.temperature, overwrite_logits=True
         )
         return PolicyForward(logps, entropies, head_logps=head_logps)
 
