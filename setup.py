@@ -24,6 +24,9 @@ setup(
     extras_require={
         "dev": ["pytest>=9.0", "hypothesis>=6.150", "matplotlib>=3.10"],
         "vllm": ["vllm"],
+        # Install after torch with `DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8` (see
+        # docs/distributed.md): it builds from source against the installed torch.
+        "deepspeed": ["deepspeed>=0.19.8"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

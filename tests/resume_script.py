@@ -1,9 +1,12 @@
-"""Run by tests/test_resume.py as a real subprocess: trains, checkpoints every 3 steps, and (with --hang_at N)
-stops inside step N's reward computation so that the parent can SIGKILL it mid-step."""
+"""Run by tests/test_resume.py as a real subprocess: trains, checkpoints every 3 steps (--save_steps), and (with
+--hang_at N) stops inside step N's reward computation so that the parent can SIGKILL it mid-step, or (with
+--kill_at POINT --kill_step N) SIGKILLs itself at POINT of the write of checkpoint-N (see `install_kill`)."""
 
 import argparse
+import io
 import json
 import os
+import signal
 import sys
 import time
 import warnings
@@ -17,6 +20,74 @@ from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
 from trl_rpp.testing.tiny import copy_task_dataset  # noqa: E402
 
 
+KILL_POINTS = {
+    "buffer_start": "torch.save of the generation buffer entered, nothing of it written",
+    "buffer_half": "half of the generation buffer's bytes written",
+    "model_start": "Trainer.save_model entered (checkpoint model not written)",
+    "rng_start": "Trainer._save_rng_state entered (model and optimizer written, no RNG state or trainer_state.json)",
+    "state_half": "half of trainer_state.json written",
+    "rotate_start": "rotate_checkpoints entered (trainer_state.json written: the checkpoint is complete)",
+}
+
+
+def install_kill(point, step, trainer):
+    """SIGKILL this process at `point` of the write of checkpoint-`step`. The real code runs up to that point: the
+    bytes on disk are a real prefix of what would have been written."""
+    import transformers.trainer as hf_trainer
+    from transformers import Trainer, TrainerState
+
+    def due():
+        return trainer.state.global_step == step
+
+    def die():
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        name = str(f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", ""))
+        if due() and "rpp_generation_buffer" in name and point in ("buffer_start", "buffer_half"):
+            if point == "buffer_half":
+                data = io.BytesIO()
+                real_save(obj, data, *args, **kwargs)
+                data = data.getvalue()
+                out = open(f, "wb") if isinstance(f, (str, os.PathLike)) else f
+                out.write(data[: len(data) // 2])
+                out.flush()
+            die()
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = save
+
+    def entering(cls_or_module, attr, name):
+        real = getattr(cls_or_module, attr)
+
+        def wrapped(*args, **kwargs):
+            if due() and point == name:
+                die()
+            return real(*args, **kwargs)
+
+        setattr(cls_or_module, attr, wrapped)
+
+    entering(Trainer, "save_model", "model_start")
+    entering(Trainer, "_save_rng_state", "rng_start")
+    entering(hf_trainer, "rotate_checkpoints", "rotate_start")
+
+    real_state_save = TrainerState.save_to_json
+
+    def state_save(self, json_path):
+        if due() and point == "state_half":
+            real_state_save(self, json_path)
+            text = open(json_path).read()
+            with open(json_path, "w") as f:
+                f.write(text[: len(text) // 2])
+            die()
+        return real_state_save(self, json_path)
+
+    TrainerState.save_to_json = state_save
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -25,6 +96,9 @@ def main():
     ap.add_argument("--hang_at", type=int, default=None, help="hang inside the reward function of this step")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--steps_per_generation", type=int, default=1)
+    ap.add_argument("--save_steps", type=int, default=3)
+    ap.add_argument("--kill_at", choices=sorted(KILL_POINTS), default=None)
+    ap.add_argument("--kill_step", type=int, default=None, help="the checkpoint whose write --kill_at interrupts")
     a = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -51,12 +125,14 @@ def main():
         learning_rate=5e-3,
         logging_steps=1,
         save_strategy="steps",
-        save_steps=3,
+        save_steps=a.save_steps,
         seed=0,
         data_seed=0,
         disable_dropout=True,
     )
     trainer = RPPTrainer(model=a.model, reward_funcs=reward, args=args, train_dataset=copy_task_dataset(256))
+    if a.kill_at is not None:
+        install_kill(a.kill_at, a.kill_step, trainer)
     trainer.train(resume_from_checkpoint=True if a.resume else None)
     with open(os.path.join(a.output_dir, "log_history.json"), "w") as f:
         json.dump(dict(log_history=trainer.state.log_history, steps_run_here=calls), f)

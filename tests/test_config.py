@@ -2,13 +2,11 @@
 
 import dataclasses
 import re
-import warnings
 
 import pytest
 
 from trl_rpp import RPPConfig
 
-warnings.filterwarnings("ignore", category=FutureWarning)
 
 CPU = dict(output_dir="/tmp/trl_rpp_cfg", report_to="none", use_cpu=True, bf16=False)
 BASE = "reinforce_plus_plus_baseline"
@@ -56,8 +54,22 @@ def test_reinforce_pp_with_kl_loss_instead_of_shaping():
         (dict(kl_loss_type="K2"), r"Did you mean 'k2'"),
         (dict(advantage_estimator=BASE, multi_objective_aggregation="normalize_then_sum"), r"multi_objective_aggregation='normalize_then_sum' .*accepted: 'sum_then_normalize'"),
         (dict(normalize_advantages=False), r"normalize_advantages=False .*accepted: True"),
-        (dict(kl_coef=-0.1), r"kl_coef=-0.1 .*accepted: a float >= 0"),
-        (dict(kl_coef=0.0, use_kl_loss=True, kl_loss_coef=-1.0), r"kl_loss_coef=-1.0 .*accepted: a float >= 0"),
+        (dict(kl_coef=-0.1), r"kl_coef=-0.1 .*accepted: a finite float >= 0"),
+        (dict(kl_coef=0.0, use_kl_loss=True, kl_loss_coef=-1.0), r"kl_loss_coef=-1.0 .*accepted: a finite float >= 0"),
+        (dict(kl_coef=float("nan")), r"kl_coef=nan .*accepted: a finite float >= 0"),
+        (dict(kl_coef=float("inf")), r"kl_coef=inf .*accepted: a finite float >= 0"),
+        (dict(kl_coef=0.0, use_kl_loss=True, kl_loss_coef=float("nan")), r"kl_loss_coef=nan .*accepted: a finite float >= 0"),
+        (dict(advantage_estimator=BASE, kl_loss_coef=float("nan")), r"kl_loss_coef=nan .*accepted: a finite float >= 0"),
+        (dict(gamma=float("nan")), r"gamma=nan .*accepted: a float in \[0, 1\]"),
+        (dict(temperature=0.0), r"temperature=0.0 is not supported; accepted: a finite float > 0"),
+        (dict(temperature=0.0, generation_kwargs={"do_sample": False}), r"temperature=0.0 is not supported; accepted: a finite float > 0"),
+        (dict(generation_kwargs={"do_sample": False}), r"generation_kwargs\['do_sample'\]=False is not supported; accepted: True"),
+        (dict(generation_kwargs={"temperature": 0}), r"generation_kwargs\['temperature'\]=0 is not supported; accepted: a finite float > 0"),
+        (dict(max_completion_length=0), r"max_completion_length=0 is not supported; accepted: an integer >= 1"),
+        (dict(epsilon=float("nan")), r"epsilon=nan is not supported; accepted: a finite float > 0"),
+        (dict(multi_objective_aggregation="normalize_then_sum"), r"multi_objective_aggregation='normalize_then_sum' .*accepted: 'sum_then_normalize'"),
+        (dict(advantage_estimator=BASE, num_generations_eval=1), r"num_generations_eval=1 .*accepted: None or an integer >= 2"),
+        (dict(reward_weights=[1.0, float("nan")]), r"reward_weights=\[1.0, nan\] is not supported; accepted: None or a list of finite floats"),
         (dict(gamma=1.5), r"gamma=1.5 .*accepted: a float in \[0, 1\]"),
         (dict(gamma=-0.1), r"gamma=-0.1 .*accepted: a float in \[0, 1\]"),
         (dict(importance_sampling_level="sequence"), r"importance_sampling_level='sequence' .*accepted: 'token'"),

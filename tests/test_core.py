@@ -297,6 +297,20 @@ def test_edge_globally_empty_mask_fails():
         global_masked_normalize(torch.zeros(0, 5), torch.zeros(0, 5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_edge_globally_empty_mask_allowed_gives_zeros(dtype):
+    """allow_empty=True (the trainer's zero-advantage step): exact zeros, count 0, whatever is stored."""
+    values = torch.tensor([[float("nan"), float("inf"), 1e30], [-float("inf"), 3.0, -2.0]]).to(dtype)
+    for v, m in ((values, torch.zeros(2, 3)), (torch.zeros(0, 5, dtype=dtype), torch.zeros(0, 5))):
+        normalized, mean, var, count = global_masked_normalize(v, m, allow_empty=True)
+        assert normalized.dtype == dtype and torch.equal(normalized, torch.zeros_like(v))
+        assert mean.item() == 0.0 and var.item() == 0.0 and count.item() == 0
+    # A non-empty population is normalized exactly as without the flag.
+    m = torch.tensor([[0, 0, 0], [0, 1, 1]])
+    for a, b in zip(global_masked_normalize(values, m, allow_empty=True), global_masked_normalize(values, m)):
+        assert torch.equal(a, b) and torch.isfinite(a).all()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Masked positions never change a result
 # ---------------------------------------------------------------------------------------------------------------

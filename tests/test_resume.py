@@ -2,6 +2,7 @@
 per-step rewards and losses equal those of an uninterrupted run from that checkpoint on (CPU, fixed seed)."""
 
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -66,3 +67,76 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, estimator,
     assert sorted(resumed) == list(range(1, 9))  # steps 1-3 come back with the checkpoint's trainer state
     for step in resumed:
         assert resumed[step] == reference[step], (step, resumed[step], reference[step])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A kill at any point of a checkpoint's write: resumed exactly, or refused with the damaged file named
+# ----------------------------------------------------------------------------------------------------------------
+
+# steps_per_generation=3, a checkpoint every 2 steps: generations at steps 1, 4, 7; checkpoint-2 and checkpoint-4 both
+# fall inside a generation batch, so both need their buffered batch. The kill interrupts the write of checkpoint-4.
+KILL_ARGS = ("--steps_per_generation", "3", "--save_steps", "2")
+# point -> what resuming with resume_from_checkpoint=True gives right after the kill
+KILL_CASES = {
+    "buffer_start": "refused",  # checkpoint-4/ holds only an empty temporary buffer file
+    "buffer_half": "refused",  # ... a half-written temporary buffer file
+    "model_start": "refused",  # ... only the complete buffer
+    "rng_start": "refused",  # ... buffer, model and optimizer, no trainer_state.json
+    "state_half": "refused",  # ... everything, with a half-written trainer_state.json
+    "rotate_start": "resumed",  # ... everything: a complete checkpoint, resumed from step 4 with its buffer
+}
+
+
+@pytest.fixture(scope="module")
+def kill_reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kill")
+    model = build_tiny_model(root / "model")
+    full = str(root / "full")
+    subprocess.run(script("--model", model, "--output_dir", full, *KILL_ARGS), env=ENV, check=True,
+                   capture_output=True, timeout=600)
+    reference = json.load(open(os.path.join(full, "log_history.json")))
+    assert reference["steps_run_here"] == [1, 4, 7]
+    return model, reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", list(KILL_CASES))
+def test_sigkill_during_checkpoint_write(tmp_path, kill_reference, point):
+    """A real SIGKILL at `point` of the write of checkpoint-4 (the process kills itself there, see
+    tests/resume_script.py). Resuming either reproduces the uninterrupted run's per-step numbers exactly, or is
+    refused with a message that names the damaged file and says what to do; doing that then resumes exactly."""
+    model, reference = kill_reference
+    out_dir = str(tmp_path / "run")
+    os.makedirs(out_dir)
+    killed = subprocess.run(script("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--kill_at", point,
+                                   "--kill_step", "4"), env=ENV, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    checkpoint4 = os.path.join(out_dir, "checkpoint-4")
+    files = sorted(os.listdir(checkpoint4))
+    buffer = "rpp_generation_buffer_rank0.pt"
+    if point in ("buffer_start", "buffer_half"):  # the kill hit where it was meant to
+        assert files == [buffer + ".tmp"] and (os.path.getsize(os.path.join(checkpoint4, files[0])) > 0) == (
+            point == "buffer_half"), files
+    else:
+        assert buffer in files and ("trainer_state.json" in files) == (point in ("state_half", "rotate_start")), files
+
+    resume = script("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--resume")
+    out = subprocess.run(resume, env=ENV, capture_output=True, text=True, timeout=600)
+    if KILL_CASES[point] == "refused":
+        assert out.returncode != 0
+        error = out.stderr.strip().splitlines()[-1]
+        assert error.startswith("trl_rpp.checkpoint.DamagedCheckpointError: "), out.stderr[-3000:]
+        assert os.path.join(checkpoint4, "trainer_state.json") in error, error
+        assert f"Delete the folder {checkpoint4} and resume again" in error, error
+        shutil.rmtree(checkpoint4)  # what the message says to do
+        out = subprocess.run(resume, env=ENV, capture_output=True, text=True, timeout=600)
+        resumed_from, generated = 2, [4, 7]  # step 3 trains on checkpoint-2's buffered batch
+    else:
+        resumed_from, generated = 4, [7]  # steps 5 and 6 train on checkpoint-4's buffered batch
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed_run = json.load(open(os.path.join(out_dir, "log_history.json")))
+    assert resumed_run["steps_run_here"] == generated, resumed_from
+    resumed, expected = per_step(resumed_run["log_history"]), per_step(reference["log_history"])
+    assert sorted(resumed) == list(range(1, 9))
+    for step in resumed:
+        assert resumed[step] == expected[step], (step, resumed[step], expected[step])

@@ -1,6 +1,7 @@
 """Bad rewards, degenerate batches and misuse: each handled explicitly, each error clear."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -142,13 +143,11 @@ def test_length_one_and_truncated_completions(tmp_path, tiny_model, estimator):
     trainer.train()
     for batch in trainer.generation_batches:
         assert batch["completion_ids"].shape[1] == 1 and batch["completion_mask"].all()
-    # With masking of truncated completions, a batch where some rows are masked still trains.
+    # With masking of truncated completions, a batch where some rows are masked still trains (a batch where all
+    # are masked is a zero-advantage step: test_every_completion_masked_is_a_zero_advantage_step).
     trainer = build(tmp_path, tiny_model, copy_first_char_reward, estimator, max_completion_length=8,
                     mask_truncated_completions=True, max_steps=6)
-    try:
-        trainer.train()
-    except RuntimeError as err:  # every completion of a generation batch truncated: the spec's empty population
-        assert "no valid token on any process" in str(err)
+    trainer.train()
     for batch in trainer.generation_batches:
         m = batch["completion_mask"].bool()
         assert torch.equal(batch["advantages"][~m], torch.zeros_like(batch["advantages"][~m]))
@@ -185,3 +184,211 @@ def test_nonfinite_reward_model_scores_are_rejected(tmp_path, tiny_model):
     )
     with pytest.raises(ValueError, match=r"reward model '.*' returned nan for row 0"):
         trainer.train()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Empty generation batch: no valid token anywhere -> a zero-advantage step, a metric and a warning with the cause
+# ----------------------------------------------------------------------------------------------------------------
+
+# (estimator, path): REINFORCE++ builds its returns at generation (steps_per_generation=2) or in the loss
+# ("deferred": one micro-batch per generation batch); the baseline always builds them at generation.
+EMPTY_CASES = [
+    ("reinforce_plus_plus", "deferred"),
+    ("reinforce_plus_plus", "generation"),
+    ("reinforce_plus_plus_baseline", "generation"),
+]
+ONE_MICRO_BATCH = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, steps_per_generation=1)
+
+
+def all_unscorable(prompts, completions, **kw):
+    return [None] * len(completions)
+
+
+def initial_parameters(path):
+    from transformers import AutoModelForCausalLM
+
+    return dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+
+
+def run_empty(tmp_path, tiny_model, estimator, path, reward, match, **kw):
+    """Two steps on generation batches with no valid token. No KL loss: the policy loss is the only loss, so the
+    parameters must come out bit-identical (zero gradients; AdamW's moments stay 0, no weight decay)."""
+    if path == "deferred":
+        kw.update(ONE_MICRO_BATCH)
+    trainer = build(tmp_path, tiny_model, reward, estimator, use_kl_loss=False, **kw)
+    watch = NaNWatch()
+    trainer.add_callback(watch)
+    with pytest.warns(RuntimeWarning, match=match):
+        trainer.train()
+    assert watch.steps == 2
+    assert ("rpp_rewards" in trainer.loss_inputs[0]) == (path == "deferred")  # the intended path was taken
+    for inputs in trainer.loss_inputs:
+        assert torch.equal(inputs["advantages"], torch.zeros_like(inputs["advantages"]))
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    for h in logs:
+        assert h["advantages/empty_batch"] == 1.0 and h["advantages/valid_tokens"] == 0.0
+        assert h["policy_loss"] == 0.0 and h["grad_norm"] == 0.0
+        if estimator == "reinforce_plus_plus":
+            assert h["returns/max"] == 0.0 and h["returns/min"] == 0.0
+    before = initial_parameters(tiny_model)
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+    return trainer
+
+
+@pytest.mark.parametrize("estimator,path", EMPTY_CASES)
+def test_every_reward_unscorable_is_a_zero_advantage_step(tmp_path, tiny_model, estimator, path):
+    """A reward server that is down for a step (None for every row): GRPOTrainer warns and takes a zero-gradient
+    step; so does RPPTrainer, instead of the normalization's empty-population assertion."""
+    run_empty(tmp_path, tiny_model, estimator, path, all_unscorable, r"every reward function returned None")
+
+
+@pytest.mark.parametrize("estimator,path", EMPTY_CASES)
+def test_every_completion_masked_is_a_zero_advantage_step(tmp_path, tiny_model, estimator, path):
+    """Every completion truncated under mask_truncated_completions=True (EOS and pad suppressed, so none ends)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    trainer = run_empty(
+        tmp_path, tiny_model, estimator, path, copy_first_char_reward, r"every completion is masked",
+        mask_truncated_completions=True, max_completion_length=2, generation_kwargs={"suppress_tokens": [tok.eos_token_id, tok.pad_token_id]},
+    )
+    for batch in trainer.generation_batches:
+        assert not batch["completion_mask"].any()
+
+
+def test_empty_batch_with_kl_loss_moves_only_through_the_kl_loss(tmp_path, tiny_model):
+    """With the baseline recipe's k2 KL loss on, an empty batch still has a zero policy loss and the step stays
+    finite; the KL loss may move the parameters (it is the only term with a gradient)."""
+    trainer = build(tmp_path, tiny_model, all_unscorable, "reinforce_plus_plus_baseline", max_steps=2)
+    watch = NaNWatch()
+    trainer.add_callback(watch)
+    with pytest.warns(RuntimeWarning, match=r"every reward function returned None"):
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["advantages/empty_batch"] for h in logs] == [1.0, 1.0]
+    assert all(h["policy_loss"] == 0.0 and math.isfinite(h["kl_loss"]) for h in logs)
+
+
+def test_empty_batch_metric_is_zero_on_normal_batches(tmp_path, tiny_model):
+    trainer = build(tmp_path, tiny_model, copy_first_char_reward, "reinforce_plus_plus", max_steps=1)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["advantages/empty_batch"] for h in logs] == [0.0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Random reward vectors through the whole trainer (hypothesis): finite parameters and metrics, or the named error
+# ----------------------------------------------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, Phase, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+F32_MAX = float(torch.finfo(torch.float32).max)
+OVERFLOW = [1e39, -1e39]  # finite in Python, +-inf as float32
+GRPO_REWARD_KEYS = ("reward", "reward_std", "rewards/")  # TRL's own nanmean/nanstd: NaN when nothing was scored
+
+
+def reward_values(special):
+    value = st.one_of(st.floats(-10, 10), st.sampled_from([None, None, *special]))
+    group = st.one_of(st.lists(value, min_size=4, max_size=4), st.just([None] * 4))  # an all-unscorable group
+    call = st.one_of(st.lists(group, min_size=2, max_size=2).map(lambda g: g[0] + g[1]), st.just([None] * 8))
+    return st.lists(call, min_size=2, max_size=2)  # two generation batches of 8 completions (2 groups of 4)
+
+
+def cases(special):
+    return st.fixed_dictionaries(dict(
+        calls=reward_values(special),
+        estimator=st.sampled_from(EST),
+        path=st.sampled_from(["deferred", "generation"]),
+        policy=st.sampled_from(["error", "unscorable"]),
+        kl_loss=st.booleans(),
+    ))
+
+
+def bad(v):
+    """Non-finite as the trainer holds rewards (float32): NaN, +-Inf, and Python floats beyond float32's range."""
+    return v is not None and (math.isnan(v) or abs(v) > F32_MAX)
+
+
+def check_random_rewards(root, tiny_model, case):
+    calls, policy = case["calls"], case["policy"]
+    served = []
+
+    def random_reward(prompts, completions, **kw):
+        served.append(len(served))
+        return list(calls[len(served) - 1])
+
+    kw = dict(ONE_MICRO_BATCH) if case["path"] == "deferred" else {}
+    if case["kl_loss"] and case["estimator"] == "reinforce_plus_plus":
+        kw["kl_coef"] = 0.0  # the KL loss replaces the k1 shaping (RPPConfig refuses both)
+    trainer = build(root, tiny_model, random_reward, case["estimator"], nonfinite_rewards=policy,
+                    use_kl_loss=case["kl_loss"], **kw)
+    seen = []
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **k):
+            for name, p in model.named_parameters():
+                assert torch.isfinite(p).all(), name
+
+        def on_log(self, args, state, control, logs=None, **k):
+            seen.append(dict(logs))
+            for key, v in logs.items():
+                if isinstance(v, float) and not key.startswith(GRPO_REWARD_KEYS):
+                    assert math.isfinite(v), (key, v)
+
+    trainer.add_callback(Watch())
+    first_bad = next((c for c in range(2) if any(bad(v) for v in calls[c])), None)
+    if policy == "error" and first_bad is not None:
+        row = next(i for i, v in enumerate(calls[first_bad]) if bad(v))
+        with pytest.raises(ValueError, match=rf"reward function 'random_reward' returned .* for row {row} "):
+            trainer.train()
+        assert len(served) == first_bad + 1 and trainer.state.global_step == first_bad
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the empty-batch warning: its cause is tested above
+        trainer.train()
+    steps = [h for h in seen if "loss" in h]
+    assert len(served) == 2 and len(steps) == 2
+    empty = [all(v is None or bad(v) for v in c) for c in calls]
+    assert [h["advantages/empty_batch"] for h in steps] == [float(e) for e in empty]
+    for inputs in trainer.loss_inputs:
+        assert torch.isfinite(inputs["advantages"]).all()
+    if all(empty) and not case["kl_loss"]:
+        before = initial_parameters(tiny_model)
+        for name, p in trainer.model.named_parameters():
+            assert torch.equal(p.detach(), before[name]), name
+
+
+FAST = dict(max_examples=10, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@pytest.mark.slow
+@settings(**FAST)
+@given(cases([float("nan"), float("inf"), -float("inf")]))
+@example(dict(calls=[[None] * 8, [None] * 8], estimator="reinforce_plus_plus", path="deferred", policy="error",
+              kl_loss=False))
+@example(dict(calls=[[1.0, None, None, None, None, None, None, None], [float("nan")] * 8],
+              estimator="reinforce_plus_plus_baseline", path="generation", policy="unscorable", kl_loss=True))
+def test_random_rewards_give_finite_training_or_the_named_error(tmp_path_factory, tiny_model, case):
+    """Random reward vectors with None, NaN, +-Inf and all-unscorable groups and batches, both estimators, both
+    REINFORCE++ paths, both `nonfinite_rewards` policies, with and without a KL loss: two steps with finite
+    parameters and metrics (GRPO's own reward statistics excepted: NaN when nothing was scored), exactly zero
+    movement when every batch is unscorable and there is no KL loss, or the `ValueError` naming the function and
+    the row."""
+    check_random_rewards(tmp_path_factory.mktemp("hyp"), tiny_model, case)
+
+
+@pytest.mark.slow
+@settings(**{**FAST, "max_examples": 6})
+@given(cases(OVERFLOW + [float("nan")]))
+@example(dict(calls=[[1e39] + [0.5] * 7, [1.0] * 8], estimator="reinforce_plus_plus", path="deferred",
+              policy="error", kl_loss=False))
+@example(dict(calls=[[-1e39, 1.0, 0.0, 2.0] * 2, [1.0] * 8], estimator="reinforce_plus_plus_baseline",
+              path="generation", policy="unscorable", kl_loss=True))
+def test_random_rewards_with_float32_overflow(tmp_path_factory, tiny_model, case):
+    """As above, with rewards that are finite in Python but overflow float32 (1e39): under `nonfinite_rewards` they
+    count as non-finite, so the named error, or unscorable rows."""
+    check_random_rewards(tmp_path_factory.mktemp("hyp"), tiny_model, case)

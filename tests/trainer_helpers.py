@@ -82,3 +82,22 @@ def initial_model_logps(model_path, batch, temperature):
     """log pi_init(token) ``[B, T]`` at the completion positions, in float64."""
     logp_all = initial_model_logp_all(model_path, batch, temperature)
     return logp_all.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+def train_eos_after_a(path):
+    """Fine-tune the tiny model so that it ends "a:" at once and never ends "b:" (a few seconds of SGD)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    a = tok("a:", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    b = tok("b:bbbbbbbb", add_special_tokens=False)["input_ids"]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        for ids in (a, b):
+            x = torch.tensor([ids])
+            loss = model(input_ids=x, labels=x).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    model.save_pretrained(path)

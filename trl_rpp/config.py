@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -33,6 +36,19 @@ class RPPConfig(GRPOConfig):
     (the baseline never divides by a group std). Settings that would silently change the estimators are rejected
     when the config is built, with a `ValueError` naming the field and the accepted values.
 
+    Every [`~trl.GRPOConfig`] field is inherited (GRPO's code handles it, as in [`~trl.GRPOTrainer`]), honored (the
+    REINFORCE++ code implements it), or rejected; `docs/robustness.md` lists them. Rejected, any value but the one
+    shown: `beta` (`0.0`), `loss_type` (`"grpo"`), `scale_rewards` (`"none"`), `multi_objective_aggregation`
+    (`"sum_then_normalize"`), `importance_sampling_level` (`"token"`), `delta`, `off_policy_mask_threshold` (`None`),
+    `top_entropy_quantile` (`1.0`), `entropy_coef` (`0.0`), `use_adaptive_entropy`, `sync_ref_model` (`False`), and,
+    at GRPO's defaults, the settings that only tune those paths: `sapo_temperature_*`, `vespo_*`,
+    `ref_model_mixup_alpha`, `ref_model_sync_steps`, `entropy_coef_min`, `entropy_coef_max`, `entropy_coef_delta`,
+    `entropy_target` and `use_bias_correction_kl`. Values that cannot work are rejected too: `temperature`,
+    `epsilon` and `epsilon_high` must be finite and `> 0`; `router_aux_loss_coef` finite and `>= 0`;
+    `reward_weights` finite; `max_completion_length`, `num_generations`, `num_generations_eval`, `num_iterations`,
+    `steps_per_generation` and `generation_batch_size` integers `>= 1`; and `generation_kwargs` may not turn
+    sampling off (`do_sample=False`, `temperature <= 0`): REINFORCE++ is a sampled policy gradient.
+
     Parameters:
         > Parameters that control the advantage estimator
 
@@ -53,7 +69,7 @@ class RPPConfig(GRPOConfig):
         kl_coef (`float`, *optional*):
             Coefficient of the k1 reference KL folded into the REINFORCE++ token reward. Defaults to `0.01` for
             `"reinforce_plus_plus"` and `0.0` for `"reinforce_plus_plus_baseline"`, which requires `0.0` (its KL is the
-            separate loss). Must be `>= 0`.
+            separate loss). Must be finite and `>= 0`.
         use_kl_loss (`bool`, *optional*):
             Whether to add a separate reference-KL loss `kl_loss_coef * KL` with response-mean reduction. Defaults to
             `False` for `"reinforce_plus_plus"` and `True` for `"reinforce_plus_plus_baseline"`. Cannot be combined
@@ -65,12 +81,15 @@ class RPPConfig(GRPOConfig):
             `"reinforce_plus_plus_baseline"`, which accepts only `"k2"`.
         kl_loss_coef (`float`, *optional*):
             Coefficient of the separate KL loss. Defaults to `0.01` for `"reinforce_plus_plus_baseline"` and `0.0`
-            for `"reinforce_plus_plus"`, or `0.01` there too when `use_kl_loss=True`. Must be `>= 0`.
+            for `"reinforce_plus_plus"`, or `0.01` there too when `use_kl_loss=True`. Must be finite and `>= 0`.
 
         nonfinite_rewards (`str`, *optional*, defaults to `"error"`):
-            What to do when a reward function returns NaN or +/-Inf for a completion. `"error"` raises a `ValueError`
-            that names the function and the row. `"unscorable"` treats the value like `None`: the completion gets zero
-            advantage and leaves its group's baseline and the normalization population.
+            What to do when a reward function or reward model returns NaN or +/-Inf for a completion, or a number
+            that is finite in Python but outside float32's range (the trainer holds rewards in float32, so `1e39` is
+            Inf there). `"error"` raises a `ValueError` that names the function and the row. `"unscorable"` treats
+            the value like `None`: the completion gets zero advantage and leaves its group's baseline and the
+            normalization population. A value that is not a number (a string, a list) always raises a `ValueError`
+            naming the function, the row and the type.
 
         > Parameters that control score centering
 
@@ -109,7 +128,7 @@ class RPPConfig(GRPOConfig):
         metadata={
             "help": "Coefficient of the k1 reference KL folded into the REINFORCE++ token reward. Defaults to 0.01 "
             "for reinforce_plus_plus and 0.0 for reinforce_plus_plus_baseline, which requires 0.0 (its KL is the "
-            "separate loss). Must be >= 0."
+            "separate loss). Must be finite and >= 0."
         },
     )
     use_kl_loss: bool | None = field(
@@ -134,16 +153,17 @@ class RPPConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Coefficient of the separate KL loss. Defaults to 0.01 for reinforce_plus_plus_baseline and 0.0 "
-            "for reinforce_plus_plus, or 0.01 there too when use_kl_loss=True. Must be >= 0."
+            "for reinforce_plus_plus, or 0.01 there too when use_kl_loss=True. Must be finite and >= 0."
         },
     )
 
     nonfinite_rewards: str = field(
         default="error",
         metadata={
-            "help": "What to do when a reward function returns NaN or +/-Inf: 'error' raises a ValueError naming the "
-            "function and the row; 'unscorable' treats the value like None (zero advantage, left out of the group "
-            "baseline and of the normalization population).",
+            "help": "What to do when a reward function or reward model returns NaN or +/-Inf, or a number outside "
+            "float32's range (Inf as the trainer holds it): 'error' raises a ValueError naming the function and the "
+            "row; 'unscorable' treats the value like None (zero advantage, left out of the group baseline and of the "
+            "normalization population). A value that is not a number always raises.",
             "choices": ["error", "unscorable"],
         },
     )
@@ -177,8 +197,25 @@ class RPPConfig(GRPOConfig):
         # Everything is checked before GRPOConfig.__post_init__ sets up devices, so a wrong config costs nothing.
         self._resolve_and_validate()
         super().__post_init__()
-        if self.score_centering:  # after GRPOConfig has parsed `generation_kwargs` from the command line
+        # After GRPOConfig has parsed `generation_kwargs` from the command line.
+        self._validate_sampling()
+        if self.score_centering:
             self._validate_score_centering()
+
+    def _validate_sampling(self):
+        # `generation_kwargs` override `temperature` and `do_sample=True` in TRL's generation config: greedy decoding
+        # there would fail inside transformers or divide by zero in TRL, and is no sample of the policy anyway.
+        gen = dict(self.generation_kwargs or {})
+        if "do_sample" in gen and not gen["do_sample"]:
+            raise ValueError(
+                f"generation_kwargs['do_sample']={gen['do_sample']!r} is not supported; accepted: True (or leave it "
+                "out). REINFORCE++ is a sampled policy gradient: greedy completions are not samples of the policy."
+            )
+        if "temperature" in gen and not _positive_finite(gen["temperature"]):
+            raise ValueError(
+                f"generation_kwargs['temperature']={gen['temperature']!r} is not supported; accepted: a finite float "
+                "> 0. A temperature of 0 is greedy decoding, not sampling from the policy."
+            )
 
     def _validate_score_centering(self):
         from .sampling import check_exact_sampling
@@ -238,12 +275,13 @@ class RPPConfig(GRPOConfig):
             )
         if not self.normalize_advantages:
             reject("normalize_advantages", "True", "Both estimators are defined with global advantage normalization.")
-        if not 0.0 <= self.gamma <= 1.0:
+        if not _real(self.gamma) or not 0.0 <= self.gamma <= 1.0:
             reject("gamma", "a float in [0, 1]", "It is the discount of the REINFORCE++ returns.")
-        if self.kl_coef < 0:
-            reject("kl_coef", "a float >= 0", "A negative coefficient would reward moving away from the reference.")
-        if self.kl_loss_coef < 0:
-            reject("kl_loss_coef", "a float >= 0", "A negative coefficient would reward moving away from the reference.")
+        for name in ("kl_coef", "kl_loss_coef"):
+            if not _nonnegative_finite(getattr(self, name)):
+                reject(name, "a finite float >= 0", "A negative coefficient would reward moving away from the "
+                       "reference, and a NaN or infinite one turns every weight into NaN at the first step.")
+        self._validate_ranges()
         if self.loss_type != "grpo":
             reject(
                 "loss_type",
@@ -277,12 +315,19 @@ class RPPConfig(GRPOConfig):
                 reject("kl_coef", "0.0", "The baseline keeps KL out of the advantage; use kl_loss_coef.")
             if self.use_kl_loss and self.kl_loss_type != "k2":
                 reject("kl_loss_type", "'k2'", "The baseline's reference regularization is the k2 loss.")
-            if self.multi_objective_aggregation == "normalize_then_sum":
+            if self.num_generations_eval is not None and self.num_generations_eval < 2:
                 reject(
-                    "multi_objective_aggregation",
-                    "'sum_then_normalize'",
-                    "Custom reward post-processing would bypass the inclusive group-mean baseline.",
+                    "num_generations_eval",
+                    "None or an integer >= 2",
+                    "The inclusive group mean includes each sample itself, so one sample per prompt gives zero advantages.",
                 )
+        if self.multi_objective_aggregation != "sum_then_normalize":
+            reject(
+                "multi_objective_aggregation",
+                "'sum_then_normalize'",
+                "Both estimators take the weighted sum of the raw rewards; normalizing each reward per group first "
+                "is GRPO's post-processing and would bypass the REINFORCE++ normalization and the group-mean baseline.",
+            )
         # GRPO features the REINFORCE++ loss does not implement: rejected rather than silently ignored.
         unsupported = [
             ("importance_sampling_level", "'token'", self.importance_sampling_level != "token",
@@ -300,3 +345,73 @@ class RPPConfig(GRPOConfig):
         for name, accepted, bad, why in unsupported:
             if bad:
                 reject(name, accepted, why)
+        # Settings that only tune one of the rejected GRPO code paths above: they can never take effect here, so a
+        # non-default value is a mistake, not a no-op (`_DEAD_GRPO_SETTINGS`).
+        for name, path in _DEAD_GRPO_SETTINGS.items():
+            if getattr(self, name) != _GRPO_DEFAULTS[name]:
+                reject(name, repr(_GRPO_DEFAULTS[name]), f"It only tunes {path}, which REINFORCE++ does not use.")
+
+    def _validate_ranges(self):
+        """Coefficients, temperatures and lengths that cannot work, whatever the estimator."""
+
+        def reject(name, accepted, why):
+            raise ValueError(f"{name}={getattr(self, name)!r} is not supported; accepted: {accepted}. {why}")
+
+        if not _positive_finite(self.temperature):
+            reject("temperature", "a finite float > 0", "Log-probs are divided by the sampling temperature; 0 is "
+                   "greedy decoding, which is not a sample of the policy that the gradient is taken for.")
+        if not _positive_finite(self.epsilon):
+            reject("epsilon", "a finite float > 0", "It is the lower clip range of the ratio, 1 - epsilon.")
+        if self.epsilon_high is not None and not _positive_finite(self.epsilon_high):
+            reject("epsilon_high", "None or a finite float > 0", "It is the upper clip range of the ratio, 1 + epsilon_high.")
+        if self.reward_weights is not None and not all(_real(w) and math.isfinite(w) for w in self.reward_weights):
+            reject("reward_weights", "None or a list of finite floats", "A NaN weight would silently drop its "
+                   "reward function from the sum, and an infinite one makes every advantage NaN.")
+        if self.router_aux_loss_coef is not None and not _nonnegative_finite(self.router_aux_loss_coef):
+            reject("router_aux_loss_coef", "None or a finite float >= 0", "It scales the MoE router's load-balancing loss.")
+        counts = [
+            ("max_completion_length", self.max_completion_length, "It is the number of tokens sampled per completion."),
+            ("num_generations", self.num_generations, "It is the number of completions sampled per prompt."),
+            ("num_generations_eval", self.num_generations_eval, "It is the number of completions per prompt in evaluation."),
+            ("num_iterations", self.num_iterations, "It is the number of optimization passes over a generation batch."),
+            ("steps_per_generation", self.steps_per_generation, "It is the number of optimizer steps per generation batch."),
+            ("generation_batch_size", self.generation_batch_size, "It is the number of completions per generation."),
+        ]
+        optional = {"num_generations_eval", "steps_per_generation", "generation_batch_size"}
+        for name, value, why in counts:
+            if value is None and name in optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                reject(name, ("None or " if name in optional else "") + "an integer >= 1", why)
+
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _positive_finite(x) -> bool:
+    return _real(x) and 0.0 < x < math.inf
+
+
+def _nonnegative_finite(x) -> bool:
+    return _real(x) and 0.0 <= x < math.inf
+
+
+# GRPO settings of code paths that `RPPConfig` rejects (SAPO/VESPO losses, the synced reference, the adaptive entropy
+# bonus, GRPO's beta KL term): field -> the path it tunes. The only accepted value is GRPOConfig's default.
+_DEAD_GRPO_SETTINGS = {
+    "sapo_temperature_neg": "GRPO's loss_type='sapo'",
+    "sapo_temperature_pos": "GRPO's loss_type='sapo'",
+    "vespo_k_pos": "GRPO's loss_type='vespo'",
+    "vespo_lambda_pos": "GRPO's loss_type='vespo'",
+    "vespo_k_neg": "GRPO's loss_type='vespo'",
+    "vespo_lambda_neg": "GRPO's loss_type='vespo'",
+    "ref_model_mixup_alpha": "the reference sync of sync_ref_model=True",
+    "ref_model_sync_steps": "the reference sync of sync_ref_model=True",
+    "entropy_coef_min": "the adaptive entropy bonus of use_adaptive_entropy=True",
+    "entropy_coef_max": "the adaptive entropy bonus of use_adaptive_entropy=True",
+    "entropy_coef_delta": "the adaptive entropy bonus of use_adaptive_entropy=True",
+    "entropy_target": "the adaptive entropy bonus of use_adaptive_entropy=True",
+    "use_bias_correction_kl": "GRPO's beta KL term (beta must be 0.0; the KL terms here are kl_coef and kl_loss_coef)",
+}
+_GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}

@@ -14,6 +14,9 @@ valid result, and every returned ``[B, T]`` tensor is exactly zero outside the m
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 import torch.distributed as dist
 
@@ -93,10 +96,11 @@ def reinforce_pp_returns(
 
     Args:
         rewards: ``[B]`` terminal rewards ``R_i``.
-        old_logps: ``[B, T]`` log-probs of the sampling (old) policy, or ``None`` when ``kl_coef == 0``.
-        ref_logps: ``[B, T]`` reference log-probs, or ``None`` when ``kl_coef == 0``.
+        old_logps: ``[B, T]`` log-probs of the sampling (old) policy, or ``None`` when ``kl_coef == 0``. Exactly the
+            mask's shape: anything else (a ``[B, 1]`` tensor, say) is a ``ValueError``, never broadcast.
+        ref_logps: ``[B, T]`` reference log-probs, or ``None`` when ``kl_coef == 0``. Same shape rule.
         mask: ``[B, T]`` bool or 0/1.
-        kl_coef: ``beta`` of the spec, the k1 shaping coefficient (``>= 0``).
+        kl_coef: ``beta`` of the spec, the k1 shaping coefficient (finite, ``>= 0``).
         gamma: discount in ``[0, 1]``.
 
     Returns:
@@ -108,6 +112,12 @@ def reinforce_pp_returns(
         raise ValueError(f"rewards must be [B] = [{mask.shape[0]}], got shape {tuple(rewards.shape)}")
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    if not 0.0 <= kl_coef < math.inf:
+        raise ValueError(f"kl_coef must be a finite float >= 0, got {kl_coef}")
+    # Shapes are host metadata: checking them costs no sync, and it stops a [B, 1] or [T] tensor from broadcasting.
+    for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps)):
+        if x is not None and x.shape != mask.shape:
+            raise ValueError(f"{name} must have the mask's shape {tuple(mask.shape)}, got {tuple(x.shape)}")
     m = _as_bool_mask(mask)
     B, T = m.shape
     dtypes = [rewards.dtype] + [x.dtype for x in (old_logps, ref_logps) if x is not None]
@@ -240,7 +250,7 @@ def _resolve_group(group):
 
 
 def global_masked_normalize(
-    values: torch.Tensor, mask: torch.Tensor, var_floor: float = 1e-8, group=None
+    values: torch.Tensor, mask: torch.Tensor, var_floor: float = 1e-8, group=None, *, allow_empty: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Global masked z-score over every valid token of every process (spec, "Global masked normalization").
 
@@ -250,7 +260,9 @@ def global_masked_normalize(
 
     Every process joins both all-reduces, also one whose mask is empty (it contributes zeros and gets zeros).
     Nothing is moved to the host: an empty global population fails through ``torch._assert_async`` on every
-    process (a ``RuntimeError`` on CPU, a device-side assert on CUDA).
+    process (a ``RuntimeError`` on CPU, a device-side assert on CUDA). With ``allow_empty=True`` it is not an
+    error: every output is then zero (``count == 0``), which the trainer uses to turn a generation batch with no
+    valid token into a zero-advantage step without a host sync. Nothing changes for a non-empty population.
 
     Values are centered in at least float32 (float64 for float64 input); both sums, the all-reduce and the token
     count are in float64, so the count is exact far past 2**24 tokens and a constant population gives exact zeros.
@@ -258,9 +270,11 @@ def global_masked_normalize(
     Args:
         values: ``[B, T]`` raw advantages (any float dtype; ``B`` may be 0).
         mask: ``[B, T]`` bool or 0/1.
-        var_floor: lower bound applied to the variance before the reciprocal square root.
+        var_floor: lower bound applied to the variance before the reciprocal square root: a finite Python float
+            ``> 0`` (``0`` would turn a constant population into NaN).
         group: ``torch.distributed`` process group. Default: the world group when ``torch.distributed`` is
             initialized with more than one process, otherwise the computation is local.
+        allow_empty: return zeros for a globally empty mask instead of failing.
 
     Returns:
         ``(normalized [B, T] in values.dtype, mean [], var [], count [])``: mean and var in the accumulation
@@ -268,6 +282,9 @@ def global_masked_normalize(
     """
     if values.shape != mask.shape:
         raise ValueError(f"values and mask must have the same shape, got {tuple(values.shape)} and {tuple(mask.shape)}")
+    # A zero floor turns a constant population into 0 * rsqrt(0) = NaN; a tensor floor would need a host sync.
+    if isinstance(var_floor, bool) or not isinstance(var_floor, numbers.Real) or not 0.0 < var_floor < math.inf:
+        raise ValueError(f"var_floor must be a finite float > 0, got {var_floor!r}")
     m = _as_bool_mask(mask)
     acc = _accum_dtype(values.dtype)
     zero = torch.zeros((), dtype=acc, device=values.device)
@@ -280,7 +297,9 @@ def global_masked_normalize(
     if pg is not None:
         dist.all_reduce(first, op=dist.ReduceOp.SUM, group=pg)
     count = first[1]
-    torch._assert_async(count > 0, "global_masked_normalize: the mask selects no valid token on any process")
+    if not allow_empty:
+        torch._assert_async(count > 0, "global_masked_normalize: the mask selects no valid token on any process")
+    # An empty population selects nothing below: x, mean, centered and var are all exactly 0, so are the outputs.
     mean = (first[0] / count.clamp(min=1)).to(acc)
 
     centered = torch.where(m, x - mean, zero)

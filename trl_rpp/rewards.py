@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import math
+import numbers
+from collections.abc import Iterable
 
 import torch
+from trl.trainer.utils import get_callable_name, is_async_callable
 
 
 def check_prompt_column(dataset, name: str) -> None:
@@ -24,60 +26,122 @@ def check_prompt_column(dataset, name: str) -> None:
             )
 
 
-def _nonfinite(value) -> bool:
+def check_dataset_not_empty(dataset, name: str) -> None:
+    """Raise `ValueError` if `dataset` (a `Dataset`, or a dict of them) has no rows.
+
+    An empty training set would otherwise make `train()` return after 0 steps without a word. Datasets without a
+    length (`IterableDataset`) are not checked.
+    """
+    if dataset is None:
+        return
+    datasets = dataset.items() if isinstance(dataset, dict) else [(None, dataset)]
+    for key, ds in datasets:
+        try:
+            n = len(ds)
+        except TypeError:
+            continue
+        if n == 0:
+            where = name if key is None else f"{name}[{key!r}]"
+            raise ValueError(f"{where} is empty; accepted: a dataset with at least one row (a 'prompt' per row).")
+
+
+# Rewards are held as float32 by the trainer (TRL builds the `[B, F]` table with `dtype=torch.float32`).
+_ACCEPTED = (
+    "a real number (bool, int, float, a NumPy scalar or a one-element tensor), or None for a completion it cannot score"
+)
+
+
+def _as_float(value):
+    """`value` as the Python float TRL will convert to float32, None for None; `TypeError` if it is not a number."""
     if value is None:
-        return False
-    try:
-        return not math.isfinite(float(value))
-    except (TypeError, ValueError):
-        return False  # not a number: TRL reports it when it builds the reward tensor
+        return None
+    if isinstance(value, (bool, numbers.Real)):
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float64: outside float32's range too
+            return math.inf if value > 0 else -math.inf
+    dtype = getattr(value, "dtype", None)
+    kind = getattr(dtype, "kind", None)  # NumPy scalars and arrays
+    real = kind in ("b", "i", "u", "f") or (torch.is_tensor(value) and not value.is_complex())
+    size = value.numel() if torch.is_tensor(value) else getattr(value, "size", None)
+    if real and size == 1:
+        return float(value)
+    raise TypeError(type(value).__name__)
 
 
-def _reward_name(func) -> str:
-    return getattr(func, "__name__", type(func).__name__)
+def _row(completions, i) -> str:
+    return repr(completions[i])[:120] if completions is not None and i < len(completions) else "?"
 
 
 def _checked(name, outputs, completions, policy):
-    bad = [i for i, r in enumerate(outputs) if _nonfinite(r)]
+    if isinstance(outputs, (str, bytes)) or not isinstance(outputs, Iterable):
+        raise ValueError(
+            f"reward function {name!r} returned {type(outputs).__name__} {outputs!r:.80}; accepted: a list with one "
+            f"reward per completion, each {_ACCEPTED}."
+        )
+    outputs = list(outputs)
+    values = []
+    for i, r in enumerate(outputs):
+        try:
+            values.append(_as_float(r))
+        except TypeError:
+            raise ValueError(
+                f"reward function {name!r} returned {r!r:.80} of type {type(r).__name__} for row {i} of this batch "
+                f"(completion {_row(completions, i)}); accepted: {_ACCEPTED}."
+            ) from None
+    # Checked in float32, as the trainer holds them: 1e39 is finite here and inf there.
+    held = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
+    finite = torch.isfinite(held).tolist()
+    bad = [i for i, v in enumerate(values) if v is not None and not finite[i]]
     if not bad:
-        return outputs
+        return values
     if policy == "unscorable":
-        return [None if i in bad else r for i, r in enumerate(outputs)]
+        unscorable = set(bad)
+        return [None if i in unscorable else v for i, v in enumerate(values)]
     i = bad[0]
-    snippet = repr(completions[i])[:120] if completions is not None and i < len(completions) else "?"
+    why = "" if not math.isfinite(values[i]) else " (outside float32's range, in which the trainer holds rewards)"
     raise ValueError(
-        f"reward function {name!r} returned {outputs[i]!r} for row {i} of this batch (completion {snippet}); "
-        f"{len(bad)} row(s) are non-finite. Return a finite number, or None for a completion it cannot score, or "
-        "set nonfinite_rewards='unscorable' to treat NaN/Inf as None."
+        f"reward function {name!r} returned {outputs[i]!r:.80} for row {i} of this batch{why} (completion "
+        f"{_row(completions, i)}); {len(bad)} row(s) are not finite in float32. Return a finite number, or None for "
+        "a completion it cannot score, or set nonfinite_rewards='unscorable' to treat NaN/Inf as None."
     )
 
 
 def guard_reward_func(func, policy: str):
-    """Wrap a callable reward function so that NaN/Inf rewards raise (policy "error") or become None ("unscorable").
+    """Wrap a callable reward function so that its rewards are checked as the trainer will hold them (float32):
+    a value that is not a number raises a `ValueError` naming the function, the row and the type; NaN/Inf (also
+    after the float32 conversion) raise (policy `"error"`) or become None (`"unscorable"`).
 
     Reward models (`nn.Module`) and model ids (`str`) are returned unchanged; see `check_module_rewards`. The wrapper
-    keeps the function's name (TRL logs rewards under it) and its async-ness.
+    carries the name TRL gives the original (`get_callable_name`: a partial's function, a callable instance's class),
+    under which `GRPOTrainer` logs `rewards/<name>/*`, and it is async exactly when the original is
+    (`is_async_callable`: also an instance whose `__call__` is async).
     """
     if isinstance(func, (str, torch.nn.Module)) or not callable(func):
         return func
-    name = _reward_name(func)
-    if inspect.iscoroutinefunction(func):
+    name = get_callable_name(func)
+    if is_async_callable(func):
 
-        @functools.wraps(func)
-        async def async_guarded(*args, **kwargs):
+        async def guarded(*args, **kwargs):
             return _checked(name, await func(*args, **kwargs), kwargs.get("completions"), policy)
 
-        return async_guarded
+    else:
 
-    @functools.wraps(func)
-    def guarded(*args, **kwargs):
-        return _checked(name, func(*args, **kwargs), kwargs.get("completions"), policy)
+        def guarded(*args, **kwargs):
+            return _checked(name, func(*args, **kwargs), kwargs.get("completions"), policy)
 
+    # `updated=()`: a callable instance's attributes stay on the instance, reachable through `__wrapped__`.
+    functools.update_wrapper(guarded, func, updated=())
+    guarded.__name__ = guarded.__qualname__ = name
     return guarded
 
 
 def check_module_rewards(rewards_per_func: torch.Tensor, columns, names, policy: str) -> torch.Tensor:
-    """Reward-model columns of the gathered `[B, F]` rewards: NaN/Inf raise, or become NaN (= unscorable)."""
+    """Reward-model columns of the gathered `[B, F]` rewards: NaN/Inf raise, or become NaN (= unscorable).
+
+    The table is float32, as TRL builds it, so a score beyond float32's range (a float64 reward model) is already
+    inf here and is treated as non-finite. A reward model's output is a tensor: it cannot be a non-number.
+    """
     sub = rewards_per_func[:, columns]
     bad = ~torch.isfinite(sub)
     if not bad.any():  # one host sync per generation batch, only when reward models are used
@@ -86,7 +150,8 @@ def check_module_rewards(rewards_per_func: torch.Tensor, columns, names, policy:
         row, col = bad.nonzero()[0].tolist()
         raise ValueError(
             f"reward model {names[columns[col]]!r} returned {sub[row, col].item()} for row {row} of the gathered "
-            "batch. Set nonfinite_rewards='unscorable' to treat NaN/Inf as unscorable."
+            "batch (as held in float32: a larger score from a float64 model reads inf). Set "
+            "nonfinite_rewards='unscorable' to treat NaN/Inf as unscorable."
         )
     out = rewards_per_func.clone()
     out[:, columns] = torch.where(bad, torch.full_like(sub, float("nan")), sub)

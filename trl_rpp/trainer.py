@@ -4,6 +4,7 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
 
     __init__                           GRPO's inside `borrowed_beta` (so that it builds the reference model), then
                                        asserts the reference exists and checks score-centering support
+    train                              on resume: refuses an incomplete checkpoint before Trainer loads it, then GRPO's
     _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step
     -- once per generation batch (GRPO's `_prepare_inputs`) --
     _generate_and_score_completions    GRPO's inside `borrowed_beta` (reference log-probs), which calls:
@@ -13,7 +14,7 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
       through GRPO's `_get_per_token_logps_and_entropies` when k1 shaping needs one), or the group baseline
     -- once per micro-batch --
     _compute_loss                      `_policy_forward`, `_loss_advantages`, `_policy_loss`, `_kl_loss`, metrics
-    _save_checkpoint                   GRPO's, plus the buffered generation batch (self._buffered_inputs)
+    _save_checkpoint                   the buffered generation batch (self._buffered_inputs) first, then GRPO's
 
 Batch keys written at generation and read by `_compute_loss` (``B`` local rows, ``T`` completion positions):
 
@@ -28,17 +29,21 @@ from __future__ import annotations
 
 import os
 import textwrap
+import warnings
 
 import torch
 from accelerate.utils import is_peft_model
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 
+from .checkpoint import buffer_needed, check_resumable, load_generation_buffer, save_generation_buffer
 from .config import RPPConfig
 from .core import global_masked_normalize, group_centered_rewards, kl_k1, masked_response_mean, reinforce_pp_returns
 from .core import response_mean_k2_loss, response_mean_ppo_loss
-from .rewards import check_module_rewards, check_prompt_column, guard_reward_func
+from .distributed import check_normalization_group
+from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_func
 from .sampling import SamplerTopKCapture, capturing_generate, parse_vllm_topk, vllm_max_logprobs
 from .score_centering import sampled_and_head_logps, score_centered_ppo_loss, score_centering_coefficients
 from .trainer_utils import FORWARD_KEYS, PolicyForward, as_list, borrowed_beta, check_score_centering_support
@@ -109,6 +114,7 @@ class RPPTrainer(GRPOTrainer):
             # Checked before any model is loaded: a missing column would otherwise fail at the first batch.
             check_prompt_column(train_dataset, "train_dataset")
             check_prompt_column(eval_dataset, "eval_dataset")
+        check_dataset_not_empty(train_dataset, "train_dataset")
         if reward_funcs is not None:
             reward_funcs = [guard_reward_func(f, args.nonfinite_rewards) for f in as_list(reward_funcs)]
         kwargs.update(train_dataset=train_dataset, eval_dataset=eval_dataset)
@@ -118,6 +124,7 @@ class RPPTrainer(GRPOTrainer):
         with borrowed_beta(args, self._rpp_needs_ref), vllm_max_logprobs(vllm_logprobs):
             super().__init__(model, reward_funcs, args, **kwargs)
         self.beta = 0.0
+        check_normalization_group(self.accelerator.parallelism_config)
         if self._rpp_needs_ref and self.ref_model is None and not is_peft_model(self.model):
             raise RuntimeError(
                 "RPPTrainer needs a reference model for its KL (kl_coef > 0 or use_kl_loss=True), but GRPOTrainer built "
@@ -136,33 +143,37 @@ class RPPTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints: the buffered generation batch outlives an optimizer step when steps_per_generation or
     # num_iterations > 1. GRPO drops it on resume and samples a new batch; we save it, so a resumed run continues
-    # exactly where the interrupted one was.
+    # exactly where the interrupted one was. Order and atomicity: see `trl_rpp.checkpoint`.
     # ------------------------------------------------------------------------------------------------------------
 
-    _BUFFER_FILE = "rpp_generation_buffer_rank{}.pt"
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        folder = resume_from_checkpoint
+        if folder is True and os.path.isdir(self.args.output_dir):
+            folder = get_last_checkpoint(self.args.output_dir)  # what Trainer resolves True to
+        if isinstance(folder, (str, os.PathLike)):
+            # Before Trainer loads anything: a half-written checkpoint fails here with the file named.
+            check_resumable(os.fspath(folder), self.accelerator.process_index, self.args.gradient_accumulation_steps,
+                            self.args.steps_per_generation, self.num_iterations)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
+        if self._buffered_inputs is not None:
+            # Before Trainer's files, so that a checkpoint with a trainer_state.json always has its buffer.
+            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            folder = os.path.join(self._get_output_dir(trial=trial), name)
+            save_generation_buffer(folder, self.accelerator.process_index, self._step, self._buffered_inputs)
+            self.accelerator.wait_for_everyone()  # every rank's buffer lands before rank 0 writes trainer_state.json
         super()._save_checkpoint(model, trial)
-        if self._buffered_inputs is None:
-            return
-        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        # Tensors and numbers only, so that loading never needs unrestricted pickle (weights_only=True).
-        buffer = [
-            {k: v for k, v in batch.items() if torch.is_tensor(v) or isinstance(v, (int, float))}
-            for batch in self._buffered_inputs
-        ]
-        path = os.path.join(folder, self._BUFFER_FILE.format(self.accelerator.process_index))
-        torch.save({"step": self._step, "buffer": buffer}, path)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        path = os.path.join(checkpoint, self._BUFFER_FILE.format(self.accelerator.process_index))
-        if os.path.exists(path):
-            state = torch.load(path, map_location=self.accelerator.device, weights_only=True)
-            self._buffered_inputs, self._step = state["buffer"], state["step"]
+        required = buffer_needed(self.state.global_step, self.args.gradient_accumulation_steps,
+                                 self.args.steps_per_generation, self.num_iterations)
+        loaded = load_generation_buffer(checkpoint, self.accelerator.process_index, required, self.accelerator.device)
+        if loaded is not None:
+            self._buffered_inputs, self._step = loaded
 
     # --- Generation: raw rewards -> [B, T] advantages ---------------------------------------------------------
 
@@ -244,7 +255,7 @@ class RPPTrainer(GRPOTrainer):
             num_generations = self.num_generations if mode == "train" else self.num_generations_eval
             centered = group_centered_rewards(rewards, num_generations, scorable)[local]
             raw = torch.where(mask, centered.unsqueeze(1), torch.zeros((), dtype=centered.dtype, device=mask.device))
-            batch["advantages"] = self._normalized_advantages(mode, raw, mask, old_logps, ref_logps)
+            batch["advantages"] = self._normalized_advantages(mode, raw, mask, old_logps, ref_logps, batch)
             return batch
         if self.args.kl_coef != 0.0 and old_logps is None:
             if self._rpp_defer_returns(mode):
@@ -258,7 +269,7 @@ class RPPTrainer(GRPOTrainer):
                 old_logps, _, _ = self._forward_logps(self.model, batch, batch_size=batch_size)
             # The loss then uses these exact log-probs as pi_old, the same ones that shaped the reward.
             batch["old_per_token_logps"] = old_logps
-        batch["advantages"] = self._reinforce_pp_advantages(mode, rewards[local], mask, old_logps, ref_logps)
+        batch["advantages"] = self._reinforce_pp_advantages(mode, rewards[local], mask, old_logps, ref_logps, batch)
         return batch
 
     def _rpp_defer_returns(self, mode):
@@ -269,16 +280,17 @@ class RPPTrainer(GRPOTrainer):
             mode == "eval" or (self.args.steps_per_generation == 1 and self.num_iterations == 1)
         )
 
-    def _reinforce_pp_advantages(self, mode, rewards, mask, old_logps, ref_logps):
+    def _reinforce_pp_advantages(self, mode, rewards, mask, old_logps, ref_logps, batch):
         """The REINFORCE++ advantage pipeline, at generation or deferred into the loss: k1-shaped returns ``[B, T]``
         from the local raw rewards ``[B]``, then the global normalization and its metrics."""
         raw = reinforce_pp_returns(rewards, old_logps, ref_logps, mask, self.args.kl_coef, self.args.gamma)
-        return self._normalized_advantages(mode, raw, mask, old_logps, ref_logps)
+        return self._normalized_advantages(mode, raw, mask, old_logps, ref_logps, batch)
 
-    def _normalized_advantages(self, mode, raw, mask, old_logps, ref_logps):
+    def _normalized_advantages(self, mode, raw, mask, old_logps, ref_logps, batch):
         """`global_masked_normalize` over every valid token on all processes, and the `advantages/*`, `returns/*` and
-        `ref_kl/*` metrics (one gather and one host transfer, for logging only)."""
-        advantages, raw_mean, raw_var, count = global_masked_normalize(raw, mask)
+        `ref_kl/*` metrics (one gather and one host transfer, for logging only). A batch with no valid token anywhere
+        becomes a zero-advantage step (see `_warn_empty_batch`)."""
+        advantages, raw_mean, raw_var, count = global_masked_normalize(raw, mask, allow_empty=True)
         zero = torch.zeros((), dtype=torch.float32, device=raw.device)
         adv = torch.where(mask, advantages.float(), zero)
         has_kl = old_logps is not None and ref_logps is not None
@@ -298,6 +310,10 @@ class RPPTrainer(GRPOTrainer):
         m["advantages/std"].append(max(v["adv_sq"] / n - adv_mean**2, 0.0) ** 0.5)
         m["advantages/valid_tokens"].append(v["count"])
         m["advantages/zero_variance"].append(float(v["var"] <= 1e-8))
+        m["advantages/empty_batch"].append(float(v["count"] == 0))
+        if v["count"] == 0:
+            v["raw_max"] = v["neg_raw_min"] = 0.0  # no return to report (not the -/+float32-max sentinels)
+            self._warn_empty_batch(mode, batch)
         if self.args.advantage_estimator == "reinforce_plus_plus":
             # For REINFORCE++ the raw advantages are the k1-shaped returns G.
             m["returns/mean"].append(v["mean"])
@@ -307,6 +323,28 @@ class RPPTrainer(GRPOTrainer):
         if has_kl:
             m["ref_kl/k1_mean"].append(v["k1"] / n)
         return advantages
+
+    def _warn_empty_batch(self, mode, batch):
+        """Name the cause of a generation batch without any valid token. Reached only after the metrics' host
+        transfer showed a global count of 0, so the extra gather here never runs on the normal path."""
+        any_token = self.accelerator.gather(token_mask(batch).any().float().reshape(1)).sum().item() > 0
+        if any_token:
+            cause = (
+                "no completion that has a valid token could be scored: every reward function returned None for "
+                "each of them (an unavailable judge or reward server?)"
+            )
+        else:
+            cause = (
+                "every completion is masked (with mask_truncated_completions=True: none ended within "
+                "max_completion_length)"
+            )
+        warnings.warn(
+            f"RPPTrainer ({mode}, step {self.state.global_step}): the generation batch has no valid token: {cause}. "
+            "It is trained on as a zero-advantage step (no policy-gradient signal; a KL loss still applies) and "
+            "logged with advantages/empty_batch = 1.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     # --- Loss ---------------------------------------------------------------------------------------------------
 
@@ -354,7 +392,7 @@ class RPPTrainer(GRPOTrainer):
             return inputs["advantages"], inputs.get("old_per_token_logps")
         old_logps = logps.detach()
         advantages = self._reinforce_pp_advantages(
-            mode, inputs["rpp_rewards"], inputs["rpp_mask"], old_logps, inputs["ref_per_token_logps"]
+            mode, inputs["rpp_rewards"], inputs["rpp_mask"], old_logps, inputs["ref_per_token_logps"], inputs
         )
         return advantages, old_logps
 

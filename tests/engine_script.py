@@ -1,0 +1,239 @@
+"""Run by tests/test_engines.py under `accelerate launch` with 2 CPU processes (gloo), once per engine (plain DDP,
+DeepSpeed ZeRO-2, DeepSpeed ZeRO-3, FSDP2). One launch runs every case in turn, because each launch costs far more in
+start-up than the cases cost in training.
+
+Per case and rank it saves: the advantages each loss call received, the trainable parameters after each optimizer
+step (gathered in full under ZeRO-3 and FSDP2), the log history, and facts about the engine that really ran
+(wrapper class, ZeRO stage and optimizer, partitioned parameters or DTensor shards), so that the parent test can compare engines step by step.
+
+    accelerate launch --config_file CONFIG --num_processes 2 --mixed_precision no \
+        engine_script.py OUTDIR MODEL EOS_MODEL {ddp,zero2,zero3,fsdp2}
+"""
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from torch.distributed.tensor import DTensor  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from trainer_helpers import CaptureTrainer, length_reward, make_args  # noqa: E402
+from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
+
+# name -> (estimator, RPPConfig overrides, uses LoRA). Together: both estimators, a frozen reference copy (k1
+# shaping; k2 loss), LoRA whose reference is the disabled adapter, score centering on and off, returns built at
+# generation (steps_per_generation=2) and deferred into the loss (steps_per_generation=1), gradient accumulation.
+CASES = {
+    "rpp_ref": ("reinforce_plus_plus", dict(kl_coef=0.05, gamma=0.9, max_steps=3), False),
+    "baseline_sc": ("reinforce_plus_plus_baseline", dict(score_centering=True, score_centering_top_k=8, max_steps=2), False),
+    "rpp_lora_deferred": (
+        "reinforce_plus_plus",
+        dict(kl_coef=0.05, gradient_accumulation_steps=1, steps_per_generation=1, max_steps=2),
+        True,
+    ),
+    # Rank 0 gets the "b:" prompts, which the EOS model never ends, rank 1 the "a:" prompts, which it ends at once:
+    # the ranks generate different numbers of tokens, with ZeRO-3 shards gathered layer by layer (no full gather).
+    "unequal_lengths": (
+        "reinforce_plus_plus",
+        dict(kl_coef=0.05, ds3_gather_for_generation=False, gradient_accumulation_steps=1, steps_per_generation=1, max_steps=2,
+             shuffle_dataset=False, max_completion_length=6),
+        False,
+    ),
+}
+
+
+def _zero3():
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled()
+
+
+class ParamSnapshots(TrainerCallback):
+    """The full value of every trainable parameter when training starts (after any resume) and after every
+    optimizer step, keyed by global step (a collective under ZeRO-3)."""
+
+    def __init__(self):
+        self.steps = {}
+
+    def _snapshot(self, state, model):
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if _zero3():
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p for _, p in params]):
+                self.steps[state.global_step] = {n: p.detach().clone() for n, p in params}
+        else:  # FSDP2 parameters are sharded DTensors: `full_tensor` all-gathers them
+            self.steps[state.global_step] = {
+                n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in params
+            }
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._snapshot(state, model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self._snapshot(state, model)
+
+
+def partition_facts(params):
+    """How parameters are stored: under ZeRO-3 a parameter holds no data outside a gather (local numel
+    0) while `ds_numel` is its full size and `ds_tensor` this rank's shard."""
+    params = list(params)
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    return dict(
+        dtensor=bool(params) and len(dtensors) == len(params),
+        dtensor_local_numel=sum(p.to_local().numel() for p in dtensors),
+        has_ds_id=bool(params) and all(hasattr(p, "ds_id") and hasattr(p, "ds_status") for p in params),
+        local_numel=sum(p.numel() for p in params),
+        ds_numel=sum(getattr(p, "ds_numel", 0) for p in params),
+        partition_numel=sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor")),
+    )
+
+
+def engine_facts(trainer):
+    """What ran after training: the wrapper of the policy and, under DeepSpeed, its ZeRO stage and optimizer."""
+    wrapped = trainer.model_wrapped
+    facts = dict(
+        wrapper=f"{type(wrapped).__module__}.{type(wrapped).__name__}",
+        num_processes=trainer.accelerator.num_processes,
+        backend=torch.distributed.get_backend(),
+        distributed_type=str(trainer.accelerator.distributed_type),
+    )
+    if hasattr(wrapped, "zero_optimization_stage"):
+        opt = wrapped.optimizer
+        facts.update(zero_stage=wrapped.zero_optimization_stage(), optimizer=f"{type(opt).__module__}.{type(opt).__name__}")
+    return facts
+
+
+def run_case(outdir, model_path, eos_model_path, engine, name, resume_from=None, save=False):
+    estimator, overrides, lora = CASES[name]
+    overrides = dict(overrides)
+    # Plain SGD: the update is linear in the gradient, so float32 reduction-order noise stays float32-sized. Adam's
+    # first step g / (|g| + eps) turns that noise on near-zero gradients into updates of up to 2 * lr.
+    kw = dict(optim="sgd", learning_rate=0.5, bf16=False)
+    # On CPU, DeepSpeed needs use_cpu=False with gloo (use_cpu=True would silently fall back to DDP); plain DDP
+    # and FSDP2 (through `force_fsdp_on_cpu`) need use_cpu=True (use_cpu=False without a GPU runs each rank alone).
+    kw.update(dict(use_cpu=False, ddp_backend="gloo") if engine.startswith("zero") else dict(use_cpu=True))
+    kw.update(overrides)
+    if save:
+        kw.update(save_strategy="steps", save_steps=2, save_only_model=False)
+    dataset = copy_task_dataset(64)
+    model = model_path
+    if name == "unequal_lengths":
+        from datasets import Dataset
+
+        model = eos_model_path
+        # Unshuffled, the sampler takes prompts 0, 1, ... and repeats each num_generations=4 times: the group of
+        # prompt 0 ("b:") lands on rank 0, that of prompt 1 ("a:") on rank 1.
+        dataset = Dataset.from_list([{"prompt": "b:" if i % 2 == 0 else "a:"} for i in range(64)])
+    args = make_args(Path(outdir) / name, estimator, **kw)
+    extra = {}
+    if lora:
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    snaps = ParamSnapshots()
+    trainer = CaptureTrainer(
+        model=model, reward_funcs=[copy_first_char_reward, length_reward], args=args, train_dataset=dataset,
+        callbacks=[snaps], **extra,
+    )
+    # Storage as built, before `train` wraps the policy: the policy, the frozen base model under LoRA, and the
+    # reference model when there is one (ZeRO-3 partitions them at load time; FSDP2 shards the policy in `train`).
+    frozen = [p for p in trainer.model.parameters() if not p.requires_grad] if lora else None
+    facts = dict(
+        policy=partition_facts(trainer.model.parameters()),
+        base=partition_facts(frozen) if lora else None,
+        ref=partition_facts(trainer.ref_model.parameters()) if trainer.ref_model is not None else None,
+    )
+    trainer.train(resume_from_checkpoint=resume_from)
+    facts.update(engine_facts(trainer), policy_after=partition_facts(trainer.model.parameters()))
+    rank = trainer.accelerator.process_index
+    out = dict(
+        facts=facts,
+        advantages=[x["advantages"].detach().cpu() for x in trainer.loss_inputs],
+        completion_masks=[x["completion_mask"].detach().cpu() for x in trainer.loss_inputs],
+        params=snaps.steps,
+        logs=trainer.state.log_history,
+    )
+    tag = name + ("_resumed" if resume_from else "")
+    torch.save(out, os.path.join(outdir, f"{tag}_rank{rank}.pt"))
+    trainer.accelerator.wait_for_everyone()
+    del trainer
+
+
+def rejections(outdir, model_path):
+    """Construct RPPTrainer under tensor parallelism from the args and context parallelism from the environment a
+    YAML launch sets (which GRPOConfig never sees); record each error. Run last: it rebuilds accelerate's state."""
+    from accelerate import ParallelismConfig
+    from accelerate.state import AcceleratorState
+
+    errors = {}
+    routes = {
+        "args_tp": (dict(parallelism_config=ParallelismConfig(tp_size=2)), {}),
+        "env_cp": ({}, dict(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_CP_SIZE="2")),
+    }
+    for route, (kw, env) in routes.items():
+        AcceleratorState._reset_state()  # the next Accelerator reads its parallelism config afresh
+        os.environ.update(env)
+        try:
+            args = make_args(Path(outdir) / route, "reinforce_plus_plus", use_cpu=False, ddp_backend="gloo", **kw)
+            CaptureTrainer(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
+                           train_dataset=copy_task_dataset(16))
+            errors[route] = None
+        except ValueError as e:
+            errors[route] = str(e)
+        finally:
+            for k in env:
+                del os.environ[k]
+    return errors
+
+
+def force_fsdp_on_cpu():
+    """Test-only shim: accelerate keeps the FSDP plugin only for accelerator devices and silently runs plain DDP on
+    CPU. After accelerate builds its state, turn a multi-CPU state launched with FSDP into an FSDP one, so that
+    `Accelerator.prepare` applies `fully_shard` (gloo). Checked against accelerate 1.15 only; the parent test skips
+    on other versions. Nothing in transformers, TRL or trl_rpp is changed."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    original = AcceleratorState.__init__
+
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if self.distributed_type == DistributedType.MULTI_CPU and os.environ.get("ACCELERATE_USE_FSDP") == "true":
+            self.distributed_type = DistributedType.FSDP
+            if getattr(self, "fsdp_plugin", None) is None:
+                self.fsdp_plugin = fsdp_plugin or FullyShardedDataParallelPlugin()
+
+    AcceleratorState.__init__ = __init__
+
+
+def main(outdir, model_path, eos_model_path, engine):
+    torch.set_num_threads(1)
+    if engine == "fsdp2":
+        force_fsdp_on_cpu()
+    if engine.startswith("zero"):
+        # DeepSpeed's CPU accelerator would JIT-compile a shared-memory all-reduce kernel (minutes, and a C++
+        # toolchain) on first use. Marking it unavailable sends DeepSpeed's collectives through torch.distributed
+        # (gloo here), the path they take with NCCL on GPUs. Nothing else in DeepSpeed changes.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    for name in CASES:
+        run_case(outdir, model_path, eos_model_path, engine, name, save=(engine == "zero3" and name == "rpp_ref"))
+    if engine == "zero2":  # accelerate accepts a parallelism_config with DeepSpeed or FSDP2, not with CPU DDP
+        errors = rejections(outdir, model_path)
+        torch.save(errors, os.path.join(outdir, f"rejections_rank{torch.distributed.get_rank()}.pt"))
+    if engine == "zero3":
+        # A new trainer resumes from the step-2 ZeRO-3 checkpoint and runs step 3 again.
+        ckpt = os.path.join(outdir, "rpp_ref", "out", "checkpoint-2")
+        run_case(outdir, model_path, eos_model_path, engine, "rpp_ref", resume_from=ckpt)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,97 @@
+"""docs/distributed.md and examples/accelerate_configs/: every launch file loads with accelerate's own reader and
+says what the docs say, and every command in the docs parses: accelerate's launch flags with accelerate's parser,
+the script's flags into `RPPConfig` and friends with the script's own parser, `trl vllm-serve`'s flags with TRL's.
+Running the files for real, with the trainer, is tests/test_engines.py (CPU, 2 processes)."""
+
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "examples" / "accelerate_configs"
+DOC = REPO / "docs" / "distributed.md"
+
+
+def doc_commands():
+    """Each shell command of the doc's ```bash blocks, continuation lines joined, comments dropped."""
+    blocks = re.findall(r"```bash\n(.*?)```", DOC.read_text(), flags=re.S)
+    commands = []
+    for block in blocks:
+        joined = re.sub(r"\\\n\s*", " ", block)
+        commands += [line.strip() for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
+    return commands
+
+
+def test_launch_files_load_and_match_the_docs():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    want = {
+        "ddp.yaml": ("MULTI_GPU", None, 1),
+        "deepspeed_zero2.yaml": ("DEEPSPEED", 2, 1),
+        "deepspeed_zero3.yaml": ("DEEPSPEED", 3, 1),
+        "fsdp2.yaml": ("FSDP", None, 1),
+        "multi_node_deepspeed_zero3.yaml": ("DEEPSPEED", 3, 2),
+    }
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(want)
+    for name, (engine, stage, machines) in want.items():
+        config = load_config_from_file(str(CONFIGS / name))
+        assert str(config.distributed_type).endswith(engine), (name, config.distributed_type)
+        assert config.num_machines == machines and config.num_processes == 8 * machines
+        assert name in DOC.read_text()
+        if stage is not None:
+            assert config.deepspeed_config["zero_stage"] == stage
+            assert config.deepspeed_config.get("zero3_init_flag", False) == (stage == 3)
+        if engine == "FSDP":
+            assert config.fsdp_config["fsdp_version"] == 2
+    multi = load_config_from_file(str(CONFIGS / "multi_node_deepspeed_zero3.yaml"))
+    assert multi.machine_rank == 0 and multi.main_process_ip and multi.main_process_port
+
+
+@pytest.fixture(scope="module")
+def script_parser():
+    from trl import ModelConfig, TrlParser
+
+    from trl_rpp import RPPConfig
+
+    spec = importlib.util.spec_from_file_location("examples_rpp", REPO / "examples" / "rpp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return TrlParser((module.RPPScriptArguments, RPPConfig, ModelConfig))
+
+
+def test_every_command_in_the_docs_parses(script_parser):
+    from accelerate.commands.launch import launch_command_parser
+
+    commands = doc_commands()
+    launches = [c for c in commands if "accelerate launch" in c]
+    engines = {re.search(r"--config_file (\S+)", c).group(1) for c in launches if "--config_file" in c}
+    assert engines == {f"examples/accelerate_configs/{n}" for n in (
+        "ddp.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml", "fsdp2.yaml", "multi_node_deepspeed_zero3.yaml")}
+    assert any("--num_processes 1" in c for c in launches), "the 1-GPU command"
+    assert sum("--machine_rank" in c for c in launches) == 2, "both nodes"
+    assert any("vllm_mode colocate" in c for c in launches) and any("vllm_mode server" in c for c in launches)
+    for command in commands:
+        argv = shlex.split(command)
+        while "=" in argv[0]:  # leading VAR=value assignments
+            argv = argv[1:]
+        if argv[0] == "pip":
+            continue
+        if argv[:2] == ["trl", "vllm-serve"]:
+            from trl import TrlParser
+            from trl.scripts.vllm_serve import ScriptArguments
+
+            (serve,) = TrlParser((ScriptArguments,)).parse_args_into_dataclasses(argv[2:])
+            assert serve.model and serve.tensor_parallel_size >= 1
+            continue
+        assert argv[:2] == ["accelerate", "launch"], command
+        launch = launch_command_parser().parse_args(argv[2:])
+        assert (REPO / launch.training_script).is_file(), launch.training_script
+        if launch.config_file:
+            assert (REPO / launch.config_file).is_file(), launch.config_file
+        # `--use_cpu true` only so that `--bf16 true` passes TrainingArguments' device check on this CPU machine.
+        _, config, _ = script_parser.parse_args_into_dataclasses([*launch.training_script_args, "--use_cpu", "true"])
+        mode = re.search(r"--vllm_mode (\w+)", command)
+        assert config.use_vllm == bool(mode) and (not mode or config.vllm_mode == mode.group(1)), command

@@ -1,0 +1,197 @@
+"""DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 through `accelerate launch` with the shipped config files, 2 CPU processes on
+gloo, compared step by step with the same runs under plain DDP (tests/engine_script.py runs the cases). FSDP2 needs a
+test-only shim on CPU (`engine_script.force_fsdp_on_cpu`), checked against accelerate 1.15 only.
+
+Tolerances. The advantages are z-scores (|A| < 5): float32 resolves them to ~5e-7, the engines reduce the same
+float32 sums in a different order, and from step 2 on the weights they generate and score with differ by ~1e-8.
+`ADV_ATOL = 1e-5` is the bound the single- vs multi-process tests already use. The updated parameters come from
+plain SGD, whose update is linear in the gradient, so they differ by lr times the float32 reduction noise of the
+gradient (~1e-8 measured). `PARAM_ATOL = 1e-6`, while every run moves some parameter by more than `MIN_MOVE = 1e-4` in one step
+(asserted): a gradient scaled wrong (say by the accumulation steps twice) or missing a rank is caught with two
+orders of magnitude to spare.
+
+Run with `-s` to print the largest differences measured.
+"""
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trainer_helpers import train_eos_after_a
+from trl_rpp.testing.tiny import build_tiny_model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = os.path.join(os.path.dirname(HERE), "examples", "accelerate_configs")
+CASES = ["rpp_ref", "baseline_sc", "rpp_lora_deferred", "unequal_lengths"]
+ADV_ATOL, PARAM_ATOL, MIN_MOVE = 1e-5, 1e-6, 1e-4
+LAUNCH_TIMEOUT_S = 300  # a hung collective fails the test instead of blocking CI
+
+
+def launch(config, script_args, timeout=LAUNCH_TIMEOUT_S, extra_env=None):
+    """`accelerate launch --config_file CONFIG` with 2 processes, killed as a whole process group on timeout."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu", **(extra_env or {}))
+    # The shipped files target GPUs (bf16, 8 processes); only what a CPU machine needs is overridden here.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
+           "--num_processes", "2", "--mixed_precision", "no", *script_args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{config}: no result after {timeout} s (hang?)\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+def require_deepspeed():
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.fail("deepspeed is not installed; `make install` installs it (see docs/distributed.md).")
+
+
+CONFIG_FILES = {"ddp": "ddp.yaml", "zero2": "deepspeed_zero2.yaml", "zero3": "deepspeed_zero3.yaml", "fsdp2": "fsdp2.yaml"}
+
+
+def run_engine(outdir, models, engine):
+    config = CONFIG_FILES[engine]
+    os.makedirs(outdir, exist_ok=True)
+    # A fresh extensions dir proves that nothing is compiled on the way.
+    ext = os.path.join(outdir, "torch_extensions")
+    launch(config, [os.path.join(HERE, "engine_script.py"), str(outdir), *models, engine],
+           extra_env=dict(TORCH_EXTENSIONS_DIR=ext))
+    assert not os.path.exists(ext) or not os.listdir(ext)
+
+    def load(tag):
+        return [torch.load(os.path.join(outdir, f"{tag}_rank{r}.pt"), weights_only=False) for r in range(2)]
+
+    names = CASES + (["rpp_ref_resumed"] if engine == "zero3" else []) + (["rejections"] if engine == "zero2" else [])
+    return {name: load(name) for name in names}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_models")
+    eos = build_tiny_model(root / "eos")
+    train_eos_after_a(eos)
+    return build_tiny_model(root / "model"), eos
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory, models):
+    runs = run_engine(tmp_path_factory.mktemp("ddp"), models, "ddp")
+    facts = runs["rpp_ref"][0]["facts"]
+    assert facts["wrapper"] == "torch.nn.parallel.distributed.DistributedDataParallel", facts
+    assert facts["num_processes"] == 2 and facts["backend"] == "gloo"
+    return runs
+
+
+def max_diffs(ref_ranks, got_ranks, first_step=0):
+    """Largest |difference| of the advantages each loss call received and of the parameters after each optimizer
+    step (step 0: as training starts), from `first_step` on; and the largest change of any parameter over one step in the reference run."""
+    adv, params, move = 0.0, 0.0, 0.0
+    calls = len(got_ranks[0]["advantages"])
+    for r in range(2):
+        ref_adv = ref_ranks[r]["advantages"][-calls:]
+        assert len(ref_adv) == calls
+        for a, b in zip(ref_adv, got_ranks[r]["advantages"]):
+            assert a.shape == b.shape
+            adv = max(adv, (a.double() - b.double()).abs().max().item())
+        ref_p, got_p = ref_ranks[r]["params"], got_ranks[r]["params"]
+        assert sorted(got_p) == [s for s in sorted(ref_p) if s >= first_step]
+        for step, named in got_p.items():
+            assert sorted(named) == sorted(ref_p[step]), "the same trainable parameters"
+            before = ref_p.get(step - 1)
+            for n, p in named.items():
+                params = max(params, (ref_p[step][n].double() - p.double()).abs().max().item())
+                if before is not None:
+                    move = max(move, (ref_p[step][n] - before[n]).abs().max().item())
+    return adv, params, move
+
+
+def check_equal_to_ddp(engine, runs, ddp_runs):
+    for name in CASES:
+        adv, params, move = max_diffs(ddp_runs[name], runs[name])
+        print(f"\n{engine} vs ddp, {name}: max |dA| = {adv:.3g}, max |dparam| = {params:.3g} (largest step {move:.3g})")
+        assert adv <= ADV_ATOL, (name, adv)
+        assert params <= PARAM_ATOL, (name, params)
+        assert move > MIN_MOVE, (name, move)
+    # Unequal completion lengths across ranks (under ZeRO-3: shards gathered layer by layer in generation) neither
+    # hang (the launch would time out) nor differ (compared above).
+    lengths = [sum(m.sum().item() for m in runs["unequal_lengths"][r]["completion_masks"]) for r in range(2)]
+    assert lengths[0] > 4 * lengths[1], lengths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["zero2", "zero3"])
+def test_deepspeed_equals_ddp_step_by_step(tmp_path, models, ddp_runs, engine):
+    require_deepspeed()
+    runs = run_engine(tmp_path, models, engine)
+    stage = int(engine[-1])
+
+    for name in CASES:
+        for rank in range(2):
+            facts = runs[name][rank]["facts"]
+            # Really DeepSpeed, not a silent DDP fallback.
+            assert facts["wrapper"] == "deepspeed.runtime.engine.DeepSpeedEngine", facts
+            assert facts["zero_stage"] == stage and facts["num_processes"] == 2 and facts["backend"] == "gloo"
+            if stage == 2:
+                assert facts["optimizer"] == "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", facts
+            else:
+                assert facts["optimizer"] == "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", facts
+                # Built partitioned: each rank holds half of every weight and no full copy (policy, base model under
+                # LoRA, and the frozen reference model alike).
+                for part in ("base",) if name == "rpp_lora_deferred" else ("policy", "ref"):
+                    p = facts[part]
+                    if p is None:
+                        continue
+                    assert p["has_ds_id"] and p["local_numel"] == 0, (name, part, p)
+                    assert p["ds_numel"] > 0 and p["partition_numel"] == p["ds_numel"] // 2, (name, part, p)
+        assert (runs[name][0]["facts"]["ref"] is not None) == (name != "rpp_lora_deferred")
+    check_equal_to_ddp(engine, runs, ddp_runs)
+
+    if engine == "zero2":
+        # The parallelism rejection: tensor parallelism from RPPConfig.parallelism_config, context parallelism from
+        # the environment a YAML launch sets (GRPOConfig never sees it), each at trainer construction.
+        for rank in range(2):
+            errors = runs["rejections"][rank]
+            assert errors["args_tp"] and errors["args_tp"].startswith("parallelism_config.tp_size=2 is not supported")
+            assert errors["env_cp"] and errors["env_cp"].startswith("parallelism_config.cp_size=2 is not supported")
+
+    if engine == "zero3":
+        # Resumed from the step-2 ZeRO-3 checkpoint, step 3 equals the uninterrupted ZeRO-3 run (and DDP).
+        resumed, full = runs["rpp_ref_resumed"], runs["rpp_ref"]
+        adv, params, _ = max_diffs(full, resumed, first_step=2)  # the weights loaded, then step 3
+        print(f"zero3 resumed vs uninterrupted, steps 2-3: max |dA| = {adv:.3g}, max |dparam| = {params:.3g}")
+        assert adv <= ADV_ATOL and params <= PARAM_ATOL, (adv, params)
+        step3 = [[h for h in run[0]["logs"] if h.get("step") == 3 and "loss" in h][0] for run in (full, resumed)]
+        assert step3[0]["reward"] == step3[1]["reward"], step3
+        assert step3[0]["advantages/valid_tokens"] == step3[1]["advantages/valid_tokens"], step3
+        assert abs(step3[0]["loss"] - step3[1]["loss"]) <= 1e-6, step3
+
+
+@pytest.mark.slow
+def test_fsdp2_equals_ddp_step_by_step(tmp_path, models, ddp_runs):
+    import accelerate
+
+    if not accelerate.__version__.startswith("1.15."):
+        pytest.skip(f"the CPU FSDP shim is checked against accelerate 1.15 only, found {accelerate.__version__}")
+    runs = run_engine(tmp_path, models, "fsdp2")
+    for name in CASES:
+        for rank in range(2):
+            facts = runs[name][rank]["facts"]
+            # Really FSDP2: the policy (sharded when training starts) is a fully_shard module whose parameters are
+            # DTensors, about half on each rank; so is the frozen reference model, sharded at construction.
+            assert facts["distributed_type"] == "DistributedType.FSDP" and facts["num_processes"] == 2, facts
+            assert facts["wrapper"].startswith("torch.distributed.fsdp._fully_shard."), facts
+            for p in (facts["policy_after"], facts["ref"]):
+                if p is not None:
+                    assert p["dtensor"] and 0 < p["dtensor_local_numel"] < p["local_numel"], (name, p)
+        assert (runs[name][0]["facts"]["ref"] is not None) == (name != "rpp_lora_deferred")
+    check_equal_to_ddp("fsdp2", runs, ddp_runs)
