@@ -13,9 +13,11 @@ setup(
     entry_points={"console_scripts": ["trl-rpp = trl_rpp.cli:main"]},
     # Floors are the versions this project is tested with. Install torch first: `pip install torch==2.13.0` is the
     # CUDA build on Linux; add `--index-url https://download.pytorch.org/whl/cpu` for the CPU build.
+    # TRL is pinned to the minor version the tests cover: RPPTrainer overrides private GRPOTrainer methods
+    # (tests/test_package.py records their signatures).
     install_requires=[
         "torch>=2.13.0",
-        "trl>=1.16.0",
+        "trl>=1.16.0,<1.17",
         "transformers>=5.24.0",
         "peft>=0.21.0",
         "accelerate>=1.15.0",

@@ -128,14 +128,14 @@ def run_one(arm, seed, opts):
     outdir = os.path.join(opts.out, arm, f"seed{seed}")
     os.makedirs(outdir, exist_ok=True)
     if opts.tiny:
-        from trl_rpp.tiny import build_tiny_model
+        from trl_rpp.testing.tiny import build_tiny_model
 
         path = build_tiny_model(os.path.join(opts.out, "tiny-model"))
         tokenizer = AutoTokenizer.from_pretrained(path)
         train, heldout = demo.copy_rows(2000, seed + 1), demo.copy_rows(opts.heldout, 10_000)
         reward, max_new, target_modules = demo.copy_reward, 2, ["q_proj", "v_proj"]
     else:
-        from trl_rpp.assets import smollm2_path
+        from trl_rpp.testing.assets import smollm2_path
 
         path = str(smollm2_path())
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, L
 
 from trl_rpp import score_centering_correction
 from trl_rpp.sampling import SamplerTopKCapture
-from trl_rpp.tiny import build_tiny_model
+from trl_rpp.testing.tiny import build_tiny_model
 
 
 class AddBias(LogitsProcessor):

@@ -63,11 +63,11 @@ def main():
     if a.tiny:
         import tempfile
 
-        from trl_rpp.tiny import build_tiny_model
+        from trl_rpp.testing.tiny import build_tiny_model
 
         path = build_tiny_model(os.path.join(tempfile.mkdtemp(), "m"))
     else:
-        from trl_rpp.assets import smollm2_path
+        from trl_rpp.testing.assets import smollm2_path
 
         path = str(smollm2_path())
     tok = AutoTokenizer.from_pretrained(path)

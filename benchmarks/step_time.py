@@ -33,7 +33,7 @@ from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
-from trl_rpp.tiny import build_tiny_model, copy_first_char_reward, copy_task_dataset  # noqa: E402
+from trl_rpp.testing.tiny import build_tiny_model, copy_first_char_reward, copy_task_dataset  # noqa: E402
 
 ARMS = {
     "grpo_beta0.04": (GRPOTrainer, GRPOConfig, dict(beta=0.04)),

@@ -76,7 +76,7 @@ def first_integer_reward(completions, answer, **kwargs):
 
 
 def copy_rows(n, seed):
-    from trl_rpp.tiny import copy_task_dataset
+    from trl_rpp.testing.tiny import copy_task_dataset
 
     return [dict(r, answer=r["prompt"][0]) for r in copy_task_dataset(n, seed=seed)]
 
@@ -143,7 +143,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if a.tiny:
-        from trl_rpp.tiny import build_tiny_model
+        from trl_rpp.testing.tiny import build_tiny_model
 
         model_path = build_tiny_model(os.path.join(output_dir, "tiny-base-model"))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -155,7 +155,7 @@ def main(argv=None):
         )
         peft_config = None
     else:
-        from trl_rpp.assets import smollm2_path
+        from trl_rpp.testing.assets import smollm2_path
 
         print("[demo] locating SmolLM2-135M-Instruct (the first run converts the GGUF file, ~20-45 s)", flush=True)
         model_path = str(smollm2_path())
@@ -201,7 +201,7 @@ def main(argv=None):
     )
     trainer.train()
     trainer.save_model(output_dir)
-    trainer.create_model_card(model_name=os.path.basename(os.path.abspath(output_dir)), dataset_name="generated arithmetic prompts (examples/demo.py)" if not a.tiny else "the generated copy task (trl_rpp.tiny)")
+    trainer.create_model_card(model_name=os.path.basename(os.path.abspath(output_dir)), dataset_name="generated arithmetic prompts (examples/demo.py)" if not a.tiny else "the generated copy task (trl_rpp.testing.tiny)")
     after = greedy_accuracy(trainer.model, tokenizer, heldout_rows, reward_fn, max_new)
     print(f"[demo] held-out greedy accuracy after training: {after:.3f}", flush=True)
 

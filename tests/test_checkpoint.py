@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from test_trainer import make_args, tiny_model  # noqa: F401 (fixture)
+from trainer_helpers import make_args
 from trl_rpp import RPPTrainer
 from trl_rpp.checkpoint import (
     DamagedCheckpointError,
@@ -18,7 +18,7 @@ from trl_rpp.checkpoint import (
     read_global_step,
     save_generation_buffer,
 )
-from trl_rpp.tiny import copy_first_char_reward, copy_task_dataset
+from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
 
 def test_buffer_round_trip_is_atomic_and_keeps_tensors_and_numbers(tmp_path):

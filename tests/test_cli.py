@@ -198,7 +198,7 @@ def test_console_script_is_declared_and_resolves_to_the_cli(tmp_path):
 
 @pytest.mark.slow
 def test_cli_trains_with_train_and_test_splits_and_writes_the_card(tmp_path):
-    from trl_rpp.tiny import build_tiny_model, copy_task_dataset
+    from trl_rpp.testing.tiny import build_tiny_model, copy_task_dataset
 
     model = build_tiny_model(tmp_path / "m")
     data = tmp_path / "data"

@@ -2,13 +2,11 @@
 
 import dataclasses
 import re
-import warnings
 
 import pytest
 
 from trl_rpp import RPPConfig
 
-warnings.filterwarnings("ignore", category=FutureWarning)
 
 CPU = dict(output_dir="/tmp/trl_rpp_cfg", report_to="none", use_cpu=True, bf16=False)
 BASE = "reinforce_plus_plus_baseline"

@@ -12,14 +12,12 @@ would silently ignore it).
 
 import dataclasses
 import math
-import warnings
 
 import pytest
 from trl import GRPOConfig
 
 from trl_rpp import RPPConfig
 
-warnings.filterwarnings("ignore", category=FutureWarning)
 
 CPU = dict(output_dir="/tmp/trl_rpp_cfg_fields", report_to="none", use_cpu=True, bf16=False)
 ESTIMATORS = ["reinforce_plus_plus", "reinforce_plus_plus_baseline"]

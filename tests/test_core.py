@@ -345,7 +345,7 @@ def test_masked_values_never_change_results(dtype):
 
 
 def test_public_api_is_exported_and_documented():
-    for name in trl_rpp.core.__all__:
+    for name in trl_rpp.core.__all__ + trl_rpp.score_centering.__all__:
         fn = getattr(trl_rpp, name)
         assert fn.__doc__ and ("[B" in fn.__doc__ or "[]" in fn.__doc__), name
         assert "self" not in inspect.signature(fn).parameters

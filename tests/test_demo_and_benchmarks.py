@@ -29,7 +29,7 @@ def test_demo_tiny_learns_and_leaves_every_artifact(tmp_path):
     body = card.split("## Citations")[0]
     assert "None" not in body and "huggingface.co/None" not in card and "huggingface.co/datasets/" not in card
     assert f"fine-tuned version of the local checkpoint `{out / 'tiny-base-model'}`" in card
-    assert "on the generated copy task (trl_rpp.tiny)." in card and "trained with REINFORCE++-baseline" in card
+    assert "on the generated copy task (trl_rpp.testing.tiny)." in card and "trained with REINFORCE++-baseline" in card
     assert "| `advantage_estimator` | `reinforce_plus_plus_baseline`" in card and "| `kl_loss_type` | `k2` |" in card
     assert "Stabilizing Critic-Free Policy Optimization with Global Advantage Normalization" in card
     assert f'model="{out}"' in card
@@ -110,6 +110,15 @@ def test_score_centering_benchmarks_run_small(tmp_path):
                "--max_new_tokens", "8", "--threads", "1", "--out", str(tmp_path)])
     assert "relative error" in out and (tmp_path / "score_centering_fidelity_tiny.png").stat().st_size > 10_000
 
+
+
+def test_score_centering_memory_benchmark_runs_small():
+    out = run(["benchmarks/score_centering_memory.py", "--vocab", "512", "--hidden", "16", "--batch", "2",
+               "--completion_length", "8", "--top_k", "4"])
+    rows = [line for line in out.splitlines() if line.startswith(("| off |", "| on |"))]
+    assert len(rows) == 2, out
+    ratio = float(out.split("ratio on/off (process peak RSS):")[1].split()[0])
+    assert 0.5 < ratio < 2.0, out  # at this size both peaks are the Python and torch runtime
 
 @pytest.mark.slow
 def test_compare_estimators_mismatch_arms_run_and_correct_as_documented(tmp_path):

@@ -22,8 +22,8 @@ import sys
 import pytest
 import torch
 
-from test_trainer_distributed import _train_eos_after_a
-from trl_rpp.tiny import build_tiny_model
+from trainer_helpers import train_eos_after_a
+from trl_rpp.testing.tiny import build_tiny_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(os.path.dirname(HERE), "examples", "accelerate_configs")
@@ -79,7 +79,7 @@ def run_engine(outdir, models, engine):
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine_models")
     eos = build_tiny_model(root / "eos")
-    _train_eos_after_a(eos)
+    train_eos_after_a(eos)
     return build_tiny_model(root / "model"), eos
 
 

@@ -18,7 +18,7 @@ ESTIMATORS = ["reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
-    from trl_rpp.tiny import build_tiny_model, copy_task_dataset
+    from trl_rpp.testing.tiny import build_tiny_model, copy_task_dataset
 
     root = tmp_path_factory.mktemp("rpp_example")
     model = build_tiny_model(root / "m")

@@ -25,8 +25,8 @@ from trl_rpp.core import (
     reinforce_pp_returns,
     response_mean_k2_loss,
     response_mean_ppo_loss,
-    score_centered_ppo_loss,
 )
+from trl_rpp.score_centering import score_centered_ppo_loss
 
 B, T, V, H, K, GROUP = 8, 6, 11, 16, 4, 4
 TIMEOUT_S = 120

@@ -10,7 +10,7 @@ import pytest
 from datasets import Dataset
 
 from trl_rpp import RPPConfig, RPPTrainer
-from trl_rpp.tiny import build_tiny_model, copy_first_char_reward, copy_task_dataset
+from trl_rpp.testing.tiny import build_tiny_model, copy_first_char_reward, copy_task_dataset
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 os.environ.setdefault("WANDB_MODE", "offline")

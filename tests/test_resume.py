@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from trl_rpp.tiny import build_tiny_model
+from trl_rpp.testing.tiny import build_tiny_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1")

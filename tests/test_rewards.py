@@ -5,19 +5,17 @@ float32's range is non-finite."""
 import asyncio
 import functools
 import math
-import warnings
 
 import numpy as np
 import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from test_trainer import CaptureTrainer, make_args, tiny_model  # noqa: F401 (fixture)
+from trainer_helpers import CaptureTrainer, make_args
 from trl_rpp import RPPTrainer
 from trl_rpp.rewards import guard_reward_func
-from trl_rpp.tiny import copy_first_char_reward, copy_task_dataset
+from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
-warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 # One reward per form that TRL names: a plain function, a partial, a callable instance, and their async versions.

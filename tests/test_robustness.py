@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from test_trainer import CaptureTrainer, make_args, tiny_model  # noqa: F401 (fixture)
+from trainer_helpers import CaptureTrainer, make_args
 from trl_rpp import RPPConfig, RPPTrainer
-from trl_rpp.tiny import copy_first_char_reward, copy_task_dataset
+from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
 EST = ["reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 

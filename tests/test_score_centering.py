@@ -74,7 +74,7 @@ def test_on_a_tiny_model_in_float64(tmp_path):
     """Same identity through a real (tiny, float64) transformer's logits."""
     from transformers import AutoModelForCausalLM
 
-    from trl_rpp.tiny import build_tiny_model
+    from trl_rpp.testing.tiny import build_tiny_model
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"), dtype=torch.float64)
     ids = torch.tensor([[3, 4, 5, 6, 7]])
@@ -267,3 +267,54 @@ def test_importance_weight_scales_the_surrogate_but_not_the_correction():
     with pytest.raises(ValueError, match="go together"):
         score_centered_ppo_loss(logp[y].view(1, 1), logp.detach()[y].view(1, 1), torch.ones(1, 1), torch.ones(1, 1),
                                 logp[head].view(1, 1, k), logq[head].view(1, 1, k), importance_weights=w_is)
+
+
+def ref_logps_and_entropy(logits, completion_ids, head_ids, temperature):
+    """The explicit full-vocabulary float64 computation the trainer used before: log_softmax over ``[B, T, V]``,
+    gathered, and ``-sum p log p``, with plain loops for the entropy."""
+    T = completion_ids.size(1)
+    logp_all = torch.log_softmax(logits[:, -T - 1 : -1].double() / temperature, dim=-1)
+    logps = logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    head = logp_all.gather(-1, head_ids)
+    ent = [[-math.fsum(math.exp(v) * v for v in row) for row in seq] for seq in logp_all.tolist()]
+    return logps, head, torch.tensor(ent, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk_size", [3, 128])
+def test_sampled_and_head_logps_equal_full_log_softmax_values_and_gradients(dtype, chunk_size, overwrite):
+    """Same values and the same logits gradient as the full float64 log_softmax, across chunk boundaries (T = 7),
+    with duplicate ids (the sampled token inside its head, and a repeated head id) and extra leading positions;
+    also when the backward writes the gradient into the logits' storage (as behind a model's head)."""
+    from trl_rpp import sampled_and_head_logps
+
+    g = torch.Generator().manual_seed(0)
+    B, S, T, V, k, temp = 2, 10, 7, 50, 5, 0.7
+    logits = (3 * torch.randn(B, S, V, generator=g)).to(dtype)
+    ids = torch.randint(V, (B, T), generator=g)
+    head = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(B * T)]).view(B, T, k)
+    head[0, 0, 0] = ids[0, 0]
+    head[1, 2, 1] = head[1, 2, 3]
+    w_y, w_h = torch.randn(B, T, generator=g, dtype=torch.float64), torch.randn(B, T, k, generator=g, dtype=torch.float64)
+
+    mine = logits.clone().requires_grad_()
+    head_out = mine * 1.0  # a non-leaf, like the output of a model's head
+    logps, head_logps, ent = sampled_and_head_logps(head_out, ids, head, temp, chunk_size, overwrite_logits=overwrite)
+    assert logps.dtype == head_logps.dtype == ent.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert not ent.requires_grad
+    ((logps.double() * w_y).sum() + (head_logps.double() * w_h).sum()).backward(retain_graph=True)
+
+    ref = logits.double().requires_grad_()
+    r_logps, r_head, r_ent = ref_logps_and_entropy(ref, ids, head, temp)
+    ((r_logps * w_y).sum() + (r_head * w_h).sum()).backward()
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logps.double(), r_logps.detach(), **tol)
+    torch.testing.assert_close(head_logps.double(), r_head.detach(), **tol)
+    torch.testing.assert_close(ent.double(), r_ent, **tol)
+    torch.testing.assert_close(mine.grad.double(), ref.grad, **tol)
+    assert mine.grad[:, : S - T - 1].abs().sum() == 0 and mine.grad[:, -1].abs().sum() == 0
+    if overwrite:  # the logits' storage now holds their gradient: replaying the graph on it raises
+        assert torch.equal(head_out.detach(), mine.grad)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (logps.sum() + head_logps.sum()).backward()

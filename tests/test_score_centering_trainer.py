@@ -2,22 +2,13 @@
 training steps run with the correction and its metrics, for both estimators."""
 
 import math
-import warnings
 
 import pytest
 import torch
 
-from test_trainer import (  # noqa: F401 (fixture)
-    CaptureTrainer,
-    initial_model_logp_all,
-    length_reward,
-    make_args,
-    tiny_model,
-)
+from trainer_helpers import CaptureTrainer, initial_model_logp_all, length_reward, make_args
 from trl_rpp import RPPTrainer
-from trl_rpp.tiny import copy_first_char_reward, copy_task_dataset
-
-warnings.filterwarnings("ignore", category=FutureWarning)
+from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
 
 @pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])

@@ -2,7 +2,6 @@
 
 import math
 import os
-import warnings
 
 import pytest
 import torch
@@ -12,88 +11,9 @@ from reference import (
     ref_group_mean_advantages,
     ref_reinforce_pp_returns,
 )
-from trl_rpp import RPPConfig, RPPTrainer
-from trl_rpp.tiny import build_tiny_model, copy_first_char_reward, copy_task_dataset
-
-warnings.filterwarnings("ignore", category=FutureWarning)
-os.environ.setdefault("WANDB_MODE", "offline")
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-def length_reward(completions, **kwargs):
-    """A second, continuous reward so that the weighted sum over reward functions is exercised."""
-    return [len(c) / 4.0 for c in completions]
-
-
-class CaptureTrainer(RPPTrainer):
-    """Records the gathered raw rewards, each generation batch as built, and each batch the loss receives."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.captured_rewards, self.generation_batches, self.loss_inputs = [], [], []
-
-    def _calculate_rewards(self, *a, **kw):
-        out = super()._calculate_rewards(*a, **kw)
-        self.captured_rewards.append(out.detach().clone())
-        return out
-
-    def _generate_and_score_completions(self, inputs):
-        batch = super()._generate_and_score_completions(inputs)
-        self.generation_batches.append({k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in batch.items()})
-        return batch
-
-    def _compute_loss(self, model, inputs):
-        loss = super()._compute_loss(model, inputs)
-        # After the call, so that advantages built inside the loss (deferred REINFORCE++ returns) are included.
-        self.loss_inputs.append({k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in inputs.items()})
-        return loss
-
-
-def make_args(tmp_path, estimator, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        advantage_estimator=estimator,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        steps_per_generation=2,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=4,
-        learning_rate=1e-2,
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        disable_dropout=True,
-        reward_weights=[1.0, 0.5],
-    )
-    base.update(kw)
-    return RPPConfig(**base)
-
-
-def initial_model_logp_all(model_path, batch, temperature, dtype=torch.float64):
-    """``[B, T, V]`` log-softmax of the initial weights (fresh load) at the completion positions, at `temperature`."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    T = batch["completion_ids"].size(1)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, -T - 1 : -1].to(dtype)
-    return torch.log_softmax(logits / temperature, -1)
-
-
-def initial_model_logps(model_path, batch, temperature):
-    """log pi_init(token) ``[B, T]`` at the completion positions, in float64."""
-    logp_all = initial_model_logp_all(model_path, batch, temperature)
-    return logp_all.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+from trainer_helpers import CaptureTrainer, initial_model_logps, length_reward, make_args
+from trl_rpp import RPPTrainer
+from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
 
 def rows_key(batch, i):

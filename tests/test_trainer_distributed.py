@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from reference import ref_global_masked_normalize, ref_group_mean_advantages, ref_reinforce_pp_returns
-from trl_rpp.tiny import build_tiny_model
+from trainer_helpers import train_eos_after_a
+from trl_rpp.testing.tiny import build_tiny_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -93,32 +94,13 @@ def test_two_process_advantages_match_global_reference(tmp_path, estimator):
     assert logs[0] and [h["advantages/valid_tokens"] for h in logs[0]] == [h["advantages/valid_tokens"] for h in logs[1]]
 
 
-def _train_eos_after_a(path):
-    """Fine-tune the tiny model so that it ends "a:" at once and never ends "b:" (a few seconds of SGD)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    a = tok("a:", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    b = tok("b:bbbbbbbb", add_special_tokens=False)["input_ids"]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(150):
-        for ids in (a, b):
-            x = torch.tensor([ids])
-            loss = model(input_ids=x, labels=x).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    model.save_pretrained(path)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
 def test_fully_masked_process_joins_the_collective_and_trains_on_zeros(tmp_path, estimator):
     """mask_truncated_completions=True and every completion of rank 0 truncated: rank 0 gets zero advantages,
     rank 1 the normalization of its own tokens (the whole global population), and training completes."""
     model_path = build_tiny_model(tmp_path / "model")
-    _train_eos_after_a(model_path)
+    train_eos_after_a(model_path)
     ranks = _launch(tmp_path, model_path, estimator, "mask_truncated")
     empty_seen = False
     # One micro-batch per generation: the loss inputs carry the advantages the loss used (both code paths).

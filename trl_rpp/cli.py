@@ -105,7 +105,7 @@ def reward_registry(training_args):
         return make
 
     def copy_first_char():
-        from trl_rpp.tiny import copy_first_char_reward
+        from trl_rpp.testing.tiny import copy_first_char_reward
 
         return copy_first_char_reward
 

@@ -4,7 +4,7 @@ settings that trained the model, and the citations.
 TRL's card (`trl.trainer.utils.generate_model_card`) links `https://huggingface.co/<base_model>` and
 `https://huggingface.co/datasets/<dataset_name>` whatever the names are, so a local checkpoint gives
 "[None](https://huggingface.co/None)" and a local or generated dataset a broken link. Here a name is linked only
-when it is a Hub id; a local folder is named as a path, and a folder converted by `trl_rpp.assets` from a GGUF
+when it is a Hub id; a local folder is named as a path, and a folder converted by `trl_rpp.testing.assets` from a GGUF
 file names the Hub model it came from (its `trl_rpp_conversion.json`).
 """
 
@@ -48,7 +48,7 @@ TRL_CITATION = """@software{vonwerra2020trl,
     year         = 2020,
 }"""
 
-#: Provenance file that `trl_rpp.assets` writes into a checkpoint it converted from a GGUF file.
+#: Provenance file that `trl_rpp.testing.assets` writes into a checkpoint it converted from a GGUF file.
 CONVERSION_MARKER = "trl_rpp_conversion.json"
 
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")

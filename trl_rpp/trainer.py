@@ -1,4 +1,29 @@
-"""`RPPTrainer`: REINFORCE++ and REINFORCE++-baseline as a thin subclass of `trl.GRPOTrainer`."""
+"""`RPPTrainer`: REINFORCE++ and REINFORCE++-baseline as a thin subclass of `trl.GRPOTrainer`.
+
+Hook map. The GRPOTrainer members overridden here, in the order a run calls them, and what passes between them:
+
+    __init__                           GRPO's inside `borrowed_beta` (so that it builds the reference model), then
+                                       asserts the reference exists and checks score-centering support
+    train                              on resume: refuses an incomplete checkpoint before Trainer loads it, then GRPO's
+    _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step
+    -- once per generation batch (GRPO's `_prepare_inputs`) --
+    _generate_and_score_completions    GRPO's inside `borrowed_beta` (reference log-probs), which calls:
+        _generate_single_turn          score centering: the sampler's top-k        -> self._rpp_capture
+        _calculate_rewards             raw rewards [B_global, n_reward_funcs]      -> self._rpp_rewards_per_func
+      then turns the raw rewards into the batch keys below: `_reinforce_pp_advantages` (after a pi_old forward
+      through GRPO's `_get_per_token_logps_and_entropies` when k1 shaping needs one), or the group baseline
+    -- once per micro-batch --
+    _compute_loss                      `_policy_forward`, `_loss_advantages`, `_policy_loss`, `_kl_loss`, metrics
+    _save_checkpoint                   the buffered generation batch (self._buffered_inputs) first, then GRPO's
+
+Batch keys written at generation and read by `_compute_loss` (``B`` local rows, ``T`` completion positions):
+
+    advantages [B, T]                  normalized token advantages (absent when the returns are deferred)
+    old_per_token_logps [B, T]         pi_old, when k1 shaping or GRPO needs it at generation
+    ref_per_token_logps [B, T]         GRPO's reference log-probs, when a KL is used
+    rpp_rewards [B], rpp_mask [B, T]   deferred REINFORCE++: returns built in the loss (`_rpp_defer_returns`)
+    sampler_head_ids, sampler_head_logps [B, T, k], sampler_per_token_logps [B, T]     score centering
+"""
 
 from __future__ import annotations
 
@@ -6,6 +31,7 @@ import os
 import warnings
 
 import torch
+from accelerate.utils import is_peft_model
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
@@ -13,46 +39,15 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from .checkpoint import buffer_needed, check_resumable, load_generation_buffer, save_generation_buffer
 from .config import RPPConfig
-from .core import (
-    global_masked_normalize,
-    group_centered_rewards,
-    kl_k1,
-    masked_response_mean,
-    reinforce_pp_returns,
-    response_mean_k2_loss,
-    response_mean_ppo_loss,
-    score_centered_ppo_loss,
-    score_centering_coefficients,
-)
+from .core import global_masked_normalize, group_centered_rewards, kl_k1, masked_response_mean, reinforce_pp_returns
+from .core import response_mean_k2_loss, response_mean_ppo_loss
 from .distributed import check_normalization_group
 from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_func
-from .sampling import (
-    SamplerTopKCapture,
-    capturing_generate,
-    check_exact_sampling,
-    parse_vllm_topk,
-    vllm_max_logprobs,
-)
-
-
-def _as_list(x):
-    return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
-# Optional per-batch model inputs (multimodal models) that TRL forwards to `_get_per_token_logps_and_entropies`.
-_FORWARD_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
+from .sampling import SamplerTopKCapture, capturing_generate, parse_vllm_topk, vllm_max_logprobs
+from .score_centering import sampled_and_head_logps, score_centered_ppo_loss, score_centering_coefficients
+from .trainer_utils import FORWARD_KEYS, PolicyForward, as_list, borrowed_beta, check_score_centering_support
+from .trainer_utils import masked_max, reduce_across_processes, token_mask
 
 
 class RPPTrainer(GRPOTrainer):
@@ -87,8 +82,9 @@ class RPPTrainer(GRPOTrainer):
        distribution are recorded inside transformers' `generate` (`trl_rpp.sampling`) or requested from vLLM with
        `logprobs=k` (the sampled token's log-prob then selected by id), and the loss becomes
        `score_centered_ppo_loss`: the same clipped surrogate with every valid token's score centered. The loss
-       forward then materializes the completion logits (to read the trainer's log-probs at the sampler's head ids)
-       instead of GRPO's fused log-prob head. Extra metrics: `score_centering/*`.
+       forward then keeps the completion logits (to read the trainer's log-probs at the sampler's head ids, with no
+       further vocabulary-sized copy: `sampled_and_head_logps`) instead of GRPO's fused log-prob head. Extra
+       metrics: `score_centering/*`.
     """
 
     _tag_names = ["trl", "rpp", "reinforce-plus-plus"]
@@ -109,50 +105,29 @@ class RPPTrainer(GRPOTrainer):
             check_prompt_column(eval_dataset, "eval_dataset")
         check_dataset_not_empty(train_dataset, "train_dataset")
         if reward_funcs is not None:
-            reward_funcs = [guard_reward_func(f, args.nonfinite_rewards) for f in _as_list(reward_funcs)]
+            reward_funcs = [guard_reward_func(f, args.nonfinite_rewards) for f in as_list(reward_funcs)]
         kwargs.update(train_dataset=train_dataset, eval_dataset=eval_dataset)
         self._rpp_needs_ref = args.kl_coef != 0.0 or args.use_kl_loss
-        # GRPO builds the reference (a frozen copy, or the disabled/"ref" adapter under PEFT) iff beta != 0.
-        # Borrow that code path while constructing; beta is never used in the RPP loss.
-        args.beta = 1.0 if self._rpp_needs_ref else 0.0
         k = args.score_centering_top_k
-        try:
-            with vllm_max_logprobs(k + 1 if args.score_centering and args.use_vllm else 0):
-                super().__init__(model, reward_funcs, args, **kwargs)
-        finally:
-            args.beta = 0.0
+        vllm_logprobs = k + 1 if args.score_centering and args.use_vllm else 0
+        with borrowed_beta(args, self._rpp_needs_ref), vllm_max_logprobs(vllm_logprobs):
+            super().__init__(model, reward_funcs, args, **kwargs)
+        self.beta = 0.0
         check_normalization_group(self.accelerator.parallelism_config)
+        if self._rpp_needs_ref and self.ref_model is None and not is_peft_model(self.model):
+            raise RuntimeError(
+                "RPPTrainer needs a reference model for its KL (kl_coef > 0 or use_kl_loss=True), but GRPOTrainer built "
+                "none: this TRL version no longer builds it when beta != 0."
+            )
         if args.score_centering and args.use_vllm:
             self.vllm_generation.logprobs = k  # top-k per token, plus the sampled token when outside them
-        self.beta = 0.0
         self._rpp_rewards_per_func = None
         self._rpp_capture = None
         # False forces REINFORCE++ returns to be built at generation, with an old-policy forward; both paths give
         # the same numbers (tests/test_trainer.py compares them).
         self._rpp_allow_deferred_returns = True
         if args.score_centering:
-            self._check_score_centering_setup()
-
-    def _check_score_centering_setup(self):
-        unsupported = [
-            ("tools", bool(self.tools)),
-            ("environment_factory", self.environment_factories is not None),
-            ("rollout_func", self.rollout_func is not None),
-            ("a multimodal processing_class", self._is_vlm),
-            ("an MoE router aux loss", self.aux_loss_enabled),
-        ]
-        for name, present in unsupported:
-            if present:
-                raise ValueError(
-                    f"score_centering=True does not support {name}: the sampler's top-k log-probs are captured "
-                    "token by token inside a single text `generate` call."
-                )
-        if self.use_vllm:
-            return  # vLLM samples with the config's settings, already checked by RPPConfig
-        # The model's own generation config also shapes q: check what `generate` will actually use.
-        model = self.accelerator.unwrap_model(self.model)
-        merged = {**model.generation_config.to_dict(), **self.generation_kwargs}
-        check_exact_sampling(merged, self.temperature, where="the model's generation config: ")
+            check_score_centering_support(self)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's card, written by `trl_rpp.model_card`: the real base model (never a `None` link), the dataset, the
@@ -196,9 +171,7 @@ class RPPTrainer(GRPOTrainer):
         if loaded is not None:
             self._buffered_inputs, self._step = loaded
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Generation: raw rewards -> [B, T] advantages
-    # ------------------------------------------------------------------------------------------------------------
+    # --- Generation: raw rewards -> [B, T] advantages ---------------------------------------------------------
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # Keep the gathered raw rewards [B_global, num_reward_funcs]: GRPO normalizes them per group afterwards.
@@ -249,65 +222,50 @@ class RPPTrainer(GRPOTrainer):
     def _forward_logps(self, model, batch, **extra):
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        forward = {k: batch[k] for k in _FORWARD_KEYS if batch.get(k) is not None}
+        forward = {k: batch[k] for k in FORWARD_KEYS if batch.get(k) is not None}
         return self._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, batch["completion_ids"].size(1), **forward, **extra
         )
 
     def _generate_and_score_completions(self, inputs):
-        # GRPO computes reference log-probs iff self.beta != 0: switch it on only for this call.
-        self.beta = 1.0 if self._rpp_needs_ref else 0.0
-        try:
+        with borrowed_beta(self, self._rpp_needs_ref):
             batch = super()._generate_and_score_completions(inputs)
-        finally:
-            self.beta = 0.0
-        args = self.args
         mode = "train" if self.model.training else "eval"
-        device = batch["completion_ids"].device
-        mask = batch["completion_mask"].bool()
-        if "tool_mask" in batch:
-            mask = mask & batch["tool_mask"].bool()
-        if args.score_centering:
+        if self.args.score_centering:
             capture, self._rpp_capture = self._rpp_capture, None
             ids, head, sampled = capture.tensors(batch["completion_ids"].size(1))
+            device = batch["completion_ids"].device
             batch["sampler_head_ids"], batch["sampler_head_logps"] = ids.to(device), head.to(device)
             batch["sampler_per_token_logps"] = sampled.to(device)
 
         # Raw rewards as GRPO sums them; rows that no reward function scored are "unscorable".
-        rewards_per_func = self._rpp_rewards_per_func
-        self._rpp_rewards_per_func = None
+        rewards_per_func, self._rpp_rewards_per_func = self._rpp_rewards_per_func, None
         scorable = ~torch.isnan(rewards_per_func).all(dim=1)
-        weights = self.reward_weights.to(rewards_per_func.device)
-        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
         local_B = batch["completion_ids"].size(0)
         local = slice(self.accelerator.process_index * local_B, (self.accelerator.process_index + 1) * local_B)
-        mask = mask & scorable[local].unsqueeze(1)
+        mask = token_mask(batch) & scorable[local].unsqueeze(1)
+        old_logps, ref_logps = batch.get("old_per_token_logps"), batch.get("ref_per_token_logps")
 
-        ref_logps = batch.get("ref_per_token_logps")
-        if args.advantage_estimator == "reinforce_plus_plus":
-            old_logps = batch.get("old_per_token_logps")
-            if args.kl_coef != 0.0 and old_logps is None and self._rpp_defer_returns(mode):
+        if self.args.advantage_estimator == "reinforce_plus_plus_baseline":
+            num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+            centered = group_centered_rewards(rewards, num_generations, scorable)[local]
+            raw = torch.where(mask, centered.unsqueeze(1), torch.zeros((), dtype=centered.dtype, device=mask.device))
+            batch["advantages"] = self._normalized_advantages(mode, raw, mask, old_logps, ref_logps, batch)
+            return batch
+        if self.args.kl_coef != 0.0 and old_logps is None:
+            if self._rpp_defer_returns(mode):
                 # pi_old is exactly what the loss forward computes, and it needs the whole batch anyway: the
                 # returns and their normalization move into `_compute_loss`, saving one forward pass.
                 batch.pop("advantages", None)
                 batch["rpp_rewards"], batch["rpp_mask"] = rewards[local], mask
                 return batch
-            if args.kl_coef != 0.0 and old_logps is None:
-                batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
-                with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
-                    old_logps, _, _ = self._forward_logps(self.model, batch, batch_size=batch_size)
-                # The loss then uses these exact log-probs as pi_old, the same ones that shaped the reward.
-                batch["old_per_token_logps"] = old_logps
-            raw = reinforce_pp_returns(rewards[local], old_logps, ref_logps, mask, args.kl_coef, args.gamma)
-        else:
-            num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-            centered = group_centered_rewards(rewards, num_generations, scorable)[local]
-            raw = torch.where(mask, centered.unsqueeze(1), torch.zeros((), dtype=centered.dtype, device=device))
-
-        # A batch with no valid token anywhere becomes a zero-advantage step (see `_warn_empty_batch`).
-        advantages, raw_mean, raw_var, count = global_masked_normalize(raw, mask, allow_empty=True)
-        batch["advantages"] = advantages
-        self._log_advantage_metrics(mode, raw, advantages, mask, raw_mean, raw_var, count, batch)
+            batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+            with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                old_logps, _, _ = self._forward_logps(self.model, batch, batch_size=batch_size)
+            # The loss then uses these exact log-probs as pi_old, the same ones that shaped the reward.
+            batch["old_per_token_logps"] = old_logps
+        batch["advantages"] = self._reinforce_pp_advantages(mode, rewards[local], mask, old_logps, ref_logps, batch)
         return batch
 
     def _rpp_defer_returns(self, mode):
@@ -318,57 +276,54 @@ class RPPTrainer(GRPOTrainer):
             mode == "eval" or (self.args.steps_per_generation == 1 and self.num_iterations == 1)
         )
 
-    def _log_advantage_metrics(self, mode, raw, advantages, mask, raw_mean, raw_var, count, batch):
-        # One gather and one host transfer per generation batch, for logging only (GRPO logs the same way).
-        old, ref = batch.get("old_per_token_logps"), batch.get("ref_per_token_logps")
+    def _reinforce_pp_advantages(self, mode, rewards, mask, old_logps, ref_logps, batch):
+        """The REINFORCE++ advantage pipeline, at generation or deferred into the loss: k1-shaped returns ``[B, T]``
+        from the local raw rewards ``[B]``, then the global normalization and its metrics."""
+        raw = reinforce_pp_returns(rewards, old_logps, ref_logps, mask, self.args.kl_coef, self.args.gamma)
+        return self._normalized_advantages(mode, raw, mask, old_logps, ref_logps, batch)
+
+    def _normalized_advantages(self, mode, raw, mask, old_logps, ref_logps, batch):
+        """`global_masked_normalize` over every valid token on all processes, and the `advantages/*`, `returns/*` and
+        `ref_kl/*` metrics (one gather and one host transfer, for logging only). A batch with no valid token anywhere
+        becomes a zero-advantage step (see `_warn_empty_batch`)."""
+        advantages, raw_mean, raw_var, count = global_masked_normalize(raw, mask, allow_empty=True)
         zero = torch.zeros((), dtype=torch.float32, device=raw.device)
-        big = torch.tensor([torch.finfo(torch.float32).max], device=raw.device)
         adv = torch.where(mask, advantages.float(), zero)
-        raw = raw.float()
-        has_kl = old is not None and ref is not None
-        k1_sum = kl_k1(old, ref, mask).float().sum() if has_kl else zero
-        local = torch.stack(
-            [
-                adv.sum(),
-                (adv * adv).sum(),
-                k1_sum,
-                torch.cat([torch.where(mask, raw, -big).flatten(), -big]).max(),
-                torch.cat([torch.where(mask, -raw, -big).flatten(), -big]).max(),
-            ]
+        has_kl = old_logps is not None and ref_logps is not None
+        v = reduce_across_processes(
+            self.accelerator.gather,
+            sums={"adv": adv.sum(), "adv_sq": (adv * adv).sum(),
+                  "k1": kl_k1(old_logps, ref_logps, mask).float().sum() if has_kl else zero},
+            maxima={"raw_max": masked_max(raw.float(), mask), "neg_raw_min": masked_max(-raw.float(), mask)},
+            replicated={"mean": raw_mean, "var": raw_var, "count": count},
         )
-        stats = self.accelerator.gather(local.unsqueeze(0)).view(-1, local.numel())
-        totals = torch.cat([stats[:, :3].sum(dim=0), stats[:, 3:].amax(dim=0)])
-        moments = torch.stack([raw_mean.float(), raw_var.float(), count.float()])
-        adv_sum, adv_sq, k1_total, raw_max, neg_raw_min, mu, var, n = torch.cat([totals, moments]).tolist()
-        n_safe = max(n, 1.0)
-        norm_mean = adv_sum / n_safe
+        n = max(v["count"], 1.0)
+        adv_mean = v["adv"] / n
         m = self._metrics[mode]
-        m["advantages/raw_mean"].append(mu)
-        m["advantages/raw_std"].append(var**0.5)
-        m["advantages/mean"].append(norm_mean)
-        m["advantages/std"].append(max(adv_sq / n_safe - norm_mean**2, 0.0) ** 0.5)
-        m["advantages/valid_tokens"].append(n)
-        m["advantages/zero_variance"].append(float(var <= 1e-8))
-        m["advantages/empty_batch"].append(float(n == 0))
-        if n == 0:
-            raw_max = neg_raw_min = 0.0  # no return to report (not the -/+float32-max sentinels)
+        m["advantages/raw_mean"].append(v["mean"])
+        m["advantages/raw_std"].append(v["var"] ** 0.5)
+        m["advantages/mean"].append(adv_mean)
+        m["advantages/std"].append(max(v["adv_sq"] / n - adv_mean**2, 0.0) ** 0.5)
+        m["advantages/valid_tokens"].append(v["count"])
+        m["advantages/zero_variance"].append(float(v["var"] <= 1e-8))
+        m["advantages/empty_batch"].append(float(v["count"] == 0))
+        if v["count"] == 0:
+            v["raw_max"] = v["neg_raw_min"] = 0.0  # no return to report (not the -/+float32-max sentinels)
             self._warn_empty_batch(mode, batch)
         if self.args.advantage_estimator == "reinforce_plus_plus":
             # For REINFORCE++ the raw advantages are the k1-shaped returns G.
-            m["returns/mean"].append(mu)
-            m["returns/std"].append(var**0.5)
-            m["returns/max"].append(raw_max)
-            m["returns/min"].append(-neg_raw_min)
+            m["returns/mean"].append(v["mean"])
+            m["returns/std"].append(v["var"] ** 0.5)
+            m["returns/max"].append(v["raw_max"])
+            m["returns/min"].append(-v["neg_raw_min"])
         if has_kl:
-            m["ref_kl/k1_mean"].append(k1_total / n_safe)
+            m["ref_kl/k1_mean"].append(v["k1"] / n)
+        return advantages
 
     def _warn_empty_batch(self, mode, batch):
         """Name the cause of a generation batch without any valid token. Reached only after the metrics' host
         transfer showed a global count of 0, so the extra gather here never runs on the normal path."""
-        mask = batch["completion_mask"].bool()
-        if "tool_mask" in batch:
-            mask = mask & batch["tool_mask"].bool()
-        any_token = self.accelerator.gather(mask.any().float().reshape(1)).sum().item() > 0
+        any_token = self.accelerator.gather(token_mask(batch).any().float().reshape(1)).sum().item() > 0
         if any_token:
             cause = (
                 "no completion that has a valid token could be scored: every reward function returned None for "
@@ -387,136 +342,105 @@ class RPPTrainer(GRPOTrainer):
             stacklevel=2,
         )
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Loss
-    # ------------------------------------------------------------------------------------------------------------
+    # --- Loss ---------------------------------------------------------------------------------------------------
 
     def _compute_loss(self, model, inputs):
-        args = self.args
         mode = "train" if self.model.training else "eval"
-        mask = inputs["completion_mask"].bool()
-        if "tool_mask" in inputs:
-            mask = mask & inputs["tool_mask"].bool()
-        if args.score_centering:
-            logps, entropies, head_logps = self._forward_with_head(model, inputs)
-            aux_loss = None
-        else:
-            logps, entropies, aux_loss = self._forward_logps(
-                model, inputs, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
-            )
-        old_logps = inputs.get("old_per_token_logps")
+        mask = token_mask(inputs)
+        fwd = self._policy_forward(model, inputs)
+        advantages, old_logps = self._loss_advantages(mode, inputs, fwd.logps)
         # Without a stored pi_old, generation and optimisation are aligned and pi_old == pi_theta (as in GRPO).
-        old_logps = logps.detach() if old_logps is None else old_logps
-        if "rpp_rewards" in inputs:  # REINFORCE++ returns deferred from generation (see `_rpp_defer_returns`)
-            rmask = inputs["rpp_mask"]
-            raw = reinforce_pp_returns(
-                inputs["rpp_rewards"], old_logps, inputs["ref_per_token_logps"], rmask, args.kl_coef, args.gamma
-            )
-            advantages, raw_mean, raw_var, count = global_masked_normalize(raw, rmask, allow_empty=True)
-            self._log_advantage_metrics(
-                mode, raw, advantages, rmask, raw_mean, raw_var, count, {**inputs, "old_per_token_logps": old_logps}
-            )
-            # Recorded in the batch, as the generation-time path records them, for inspection after the step.
-            inputs["advantages"], inputs["old_per_token_logps"] = advantages, old_logps
-        else:
-            advantages = inputs["advantages"]
-
-        # TRL's vLLM sampler correction (when on) weights each token's loss, as in GRPO.
-        is_weights = inputs.get("importance_sampling_ratio")
-        if args.score_centering:
-            policy_loss = score_centered_ppo_loss(
-                logps, old_logps, advantages, mask, head_logps, inputs["sampler_head_logps"],
-                self.epsilon_low, self.epsilon_high, importance_weights=is_weights,
-                weight_fn=self._importance_weight_fn() if is_weights is not None else None,
-            )
-        else:
-            policy_loss = response_mean_ppo_loss(
-                logps, old_logps, advantages, mask, self.epsilon_low, self.epsilon_high, importance_weights=is_weights
-            )
-        loss = policy_loss
-        kl_loss = None
-        if args.use_kl_loss:
-            ref_logps = inputs["ref_per_token_logps"]
-            if args.kl_loss_type == "k2":
-                kl_loss = response_mean_k2_loss(logps, ref_logps, mask)
-            else:
-                kl_loss = masked_response_mean(kl_k1(logps, ref_logps, mask), mask)
-            loss = loss + args.kl_loss_coef * kl_loss
-
+        old_logps = fwd.logps.detach() if old_logps is None else old_logps
+        policy_loss = self._policy_loss(fwd, old_logps, advantages, mask, inputs)
+        kl_loss = self._kl_loss(fwd.logps, inputs["ref_per_token_logps"], mask) if self.args.use_kl_loss else None
+        loss = policy_loss if kl_loss is None else policy_loss + self.args.kl_loss_coef * kl_loss
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         loss = loss / normalizer
         if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
-
-        with torch.no_grad():
-            zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
-            ratio = torch.exp(torch.where(mask, logps.detach() - old_logps, zero))
-            low = mask & (ratio < 1 - self.epsilon_low) & (advantages < 0)
-            high = mask & (ratio > 1 + self.epsilon_high) & (advantages > 0)
-            local = [
-                mask.sum().float(),
-                torch.where(mask, entropies.detach(), zero).sum().float(),
-                low.sum().float(),
-                high.sum().float(),
-                (low | high).sum().float(),
-                masked_response_mean(old_logps - logps.detach(), mask).float(),
-                policy_loss.detach().float(),
-                (kl_loss.detach().float() if kl_loss is not None else torch.zeros((), device=logps.device)),
-            ]
-            if self.aux_loss_enabled:
-                local.append(aux_loss.detach().float())
-            if args.score_centering:
-                local.extend(self._score_centering_stats(logps, head_logps, inputs, mask))
-            stats = self.accelerator.gather(torch.stack(local).unsqueeze(0)).view(-1, len(local))
-            sums = stats[:, :5].sum(dim=0)
-            means = stats[:, 5:8 + int(self.aux_loss_enabled)].mean(dim=0)  # equal B per process: global mean
-            extra = stats[:, 8 + int(self.aux_loss_enabled):].sum(dim=0)
-            values = torch.cat([sums, means, extra]).tolist()
-        n = max(values[0], 1.0)
-        m = self._metrics[mode]
-        m["entropy"].append(values[1] / n)
-        m["clip_ratio/low_mean"].append(values[2] / n)
-        m["clip_ratio/high_mean"].append(values[3] / n)
-        m["clip_ratio/region_mean"].append(values[4] / n)
-        m["ppo_kl"].append(values[5])
-        m["policy_loss"].append(values[6])
-        if kl_loss is not None:
-            m["kl_loss"].append(values[7])
-        if self.aux_loss_enabled:
-            m["aux_loss"].append(values[8])
-        if args.score_centering:
-            q_mass, p_mass, coeff_l1, diff, n_sampled = values[-5:]
-            m["score_centering/sampler_head_mass"].append(q_mass / n)
-            m["score_centering/trainer_head_mass"].append(p_mass / n)
-            m["score_centering/coeff_l1"].append(coeff_l1 / n)
-            m["score_centering/sampler_logp_abs_diff"].append(diff / max(n_sampled, 1.0))
+            loss = loss + self.router_aux_loss_coef * fwd.aux_loss / normalizer
+        self._log_loss_metrics(mode, fwd, old_logps, advantages, mask, policy_loss, kl_loss, inputs)
         return loss
 
-    def _forward_with_head(self, model, inputs):
-        """Log-probs of the sampled tokens, entropies, and log-probs at the sampler's head ids, ``[B, T]``, ``[B, T]``,
-        ``[B, T, k]``, at the sampling temperature, from one forward that keeps the completion logits."""
+    def _policy_forward(self, model, inputs) -> PolicyForward:
+        """The loss forward at the sampling temperature: GRPO's fused log-prob head or, with score centering, the
+        completion logits read at the sampled ids and at the sampler's head ids (`sampled_and_head_logps`)."""
+        if not self.args.score_centering:
+            logps, entropies, aux_loss = self._forward_logps(
+                model, inputs, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
+            )
+            return PolicyForward(logps, entropies, aux_loss)
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         T = inputs["completion_ids"].size(1)
         with self.accelerator.autocast():
             logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1).logits
-        logp_all = torch.log_softmax(logits[:, -T - 1 : -1].float() / self.temperature, dim=-1)
-        logps = logp_all.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
-        head_logps = logp_all.gather(-1, inputs["sampler_head_ids"])
-        probs = logp_all.exp()
-        entropies = -torch.where(probs > 0, probs * logp_all, torch.zeros((), device=probs.device)).sum(-1)
-        return logps, entropies, head_logps
+        # Nothing reads the logits after the backward: it may write their gradient in place (no second [B, T, V]).
+        logps, head_logps, entropies = sampled_and_head_logps(
+            logits, inputs["completion_ids"], inputs["sampler_head_ids"], self.temperature, overwrite_logits=True
+        )
+        return PolicyForward(logps, entropies, head_logps=head_logps)
+
+    def _loss_advantages(self, mode, inputs, logps):
+        """Advantages ``[B, T]`` and pi_old ``[B, T]`` (None when the batch stores none) that the loss uses. Deferred
+        REINFORCE++ returns (`_rpp_defer_returns`) are built here, with this forward's log-probs as pi_old, through
+        the same pipeline as at generation. The batch is never written to: wrap this method to read them (tests do)."""
+        if "rpp_rewards" not in inputs:
+            return inputs["advantages"], inputs.get("old_per_token_logps")
+        old_logps = logps.detach()
+        advantages = self._reinforce_pp_advantages(
+            mode, inputs["rpp_rewards"], inputs["rpp_mask"], old_logps, inputs["ref_per_token_logps"], inputs
+        )
+        return advantages, old_logps
+
+    def _policy_loss(self, fwd: PolicyForward, old_logps, advantages, mask, inputs):
+        """The clipped token surrogate, response-mean reduced; with score centering every valid token's score is
+        centered. TRL's vLLM sampler correction (when on) weights each token's loss, as in GRPO."""
+        is_weights = inputs.get("importance_sampling_ratio")
+        eps = (self.epsilon_low, self.epsilon_high)
+        if fwd.head_logps is None:
+            return response_mean_ppo_loss(fwd.logps, old_logps, advantages, mask, *eps, importance_weights=is_weights)
+        return score_centered_ppo_loss(
+            fwd.logps, old_logps, advantages, mask, fwd.head_logps, inputs["sampler_head_logps"], *eps,
+            importance_weights=is_weights, weight_fn=self._importance_weight_fn() if is_weights is not None else None,
+        )
+
+    def _kl_loss(self, logps, ref_logps, mask):
+        if self.args.kl_loss_type == "k2":
+            return response_mean_k2_loss(logps, ref_logps, mask)
+        return masked_response_mean(kl_k1(logps, ref_logps, mask), mask)
+
+    @torch.no_grad()
+    def _log_loss_metrics(self, mode, fwd, old_logps, advantages, mask, policy_loss, kl_loss, inputs):
+        # Keyed by metric name: per-token sums are divided by the valid-token count, `means` are logged as they are.
+        logps = fwd.logps.detach()
+        zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
+        ratio = torch.exp(torch.where(mask, logps - old_logps, zero))
+        low = mask & (ratio < 1 - self.epsilon_low) & (advantages < 0)
+        high = mask & (ratio > 1 + self.epsilon_high) & (advantages > 0)
+        per_token = {"entropy": torch.where(mask, fwd.entropies.detach(), zero).sum(), "clip_ratio/low_mean": low.sum(),
+                     "clip_ratio/high_mean": high.sum(), "clip_ratio/region_mean": (low | high).sum()}
+        means = {"ppo_kl": masked_response_mean(old_logps - logps, mask), "policy_loss": policy_loss}
+        if kl_loss is not None:
+            means["kl_loss"] = kl_loss
+        if self.aux_loss_enabled:
+            means["aux_loss"] = fwd.aux_loss
+        sc_per_token, sc_sums = self._score_centering_sums(fwd, inputs, mask) if fwd.head_logps is not None else ({}, {})
+        per_token.update(sc_per_token)
+        v = reduce_across_processes(self.accelerator.gather, sums={"tokens": mask.sum(), **per_token, **sc_sums}, means=means)
+        m = self._metrics[mode]
+        for name in per_token:
+            m[name].append(v[name] / max(v["tokens"], 1.0))
+        for name in means:
+            m[name].append(v[name])
+        if sc_sums:  # over the tokens whose sampled log-prob the sampler reported
+            m["score_centering/sampler_logp_abs_diff"].append(v["sampler_logp_abs_diff"] / max(v["sampled"], 1.0))
 
     @staticmethod
-    def _score_centering_stats(logps, head_logps, inputs, mask):
-        coeff, q_mass, p_mass = score_centering_coefficients(head_logps, inputs["sampler_head_logps"], mask)
+    def _score_centering_sums(fwd, inputs, mask):
+        coeff, q_mass, p_mass = score_centering_coefficients(fwd.head_logps, inputs["sampler_head_logps"], mask)
         sampled = inputs["sampler_per_token_logps"]
         has = mask & torch.isfinite(sampled)
-        diff = torch.where(has, (sampled - logps.detach()).abs(), torch.zeros((), device=logps.device))
-        return [
-            q_mass.sum().float(),
-            p_mass.sum().float(),
-            coeff.abs().sum().float(),
-            diff.sum().float(),
-            has.sum().float(),
-        ]
+        diff = torch.where(has, (sampled - fwd.logps.detach()).abs(), torch.zeros((), device=sampled.device))
+        per_token = {"score_centering/sampler_head_mass": q_mass.sum(), "score_centering/trainer_head_mass": p_mass.sum(),
+                     "score_centering/coeff_l1": coeff.abs().sum()}
+        return per_token, {"sampler_logp_abs_diff": diff.sum(), "sampled": has.sum()}

@@ -1,0 +1,103 @@
+"""Shared helpers of the trainer tests (imported by them and by tests/dist_trainer_script.py; fixtures live in
+tests/conftest.py): a recording RPPTrainer, the small default config, and the initial model's log-probs."""
+
+import torch
+
+from trl_rpp import RPPConfig, RPPTrainer
+
+
+def length_reward(completions, **kwargs):
+    """A second, continuous reward so that the weighted sum over reward functions is exercised."""
+    return [len(c) / 4.0 for c in completions]
+
+
+def _detached(batch):
+    return {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+class CaptureTrainer(RPPTrainer):
+    """Records the gathered raw rewards, each generation batch as built, and each micro-batch the loss receives
+    together with the advantages and pi_old log-probs it used (read through the `_loss_advantages` hook, so that
+    deferred REINFORCE++ returns, built inside the loss, are included)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.captured_rewards, self.generation_batches, self.loss_inputs = [], [], []
+
+    def _calculate_rewards(self, *a, **kw):
+        out = super()._calculate_rewards(*a, **kw)
+        self.captured_rewards.append(out.detach().clone())
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)
+        self.generation_batches.append(_detached(batch))
+        return batch
+
+    def _loss_advantages(self, mode, inputs, logps):
+        advantages, old_logps = super()._loss_advantages(mode, inputs, logps)
+        used = {"advantages": advantages} if old_logps is None else {"advantages": advantages, "old_per_token_logps": old_logps}
+        self.loss_inputs.append(_detached({**inputs, **used}))
+        return advantages, old_logps
+
+
+def make_args(tmp_path, estimator, **kw):
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        advantage_estimator=estimator,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=4,
+        learning_rate=1e-2,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_dropout=True,
+        reward_weights=[1.0, 0.5],
+    )
+    base.update(kw)
+    return RPPConfig(**base)
+
+
+def initial_model_logp_all(model_path, batch, temperature, dtype=torch.float64):
+    """``[B, T, V]`` log-softmax of the initial weights (fresh load) at the completion positions, at `temperature`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    T = batch["completion_ids"].size(1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, -T - 1 : -1].to(dtype)
+    return torch.log_softmax(logits / temperature, -1)
+
+
+def initial_model_logps(model_path, batch, temperature):
+    """log pi_init(token) ``[B, T]`` at the completion positions, in float64."""
+    logp_all = initial_model_logp_all(model_path, batch, temperature)
+    return logp_all.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+def train_eos_after_a(path):
+    """Fine-tune the tiny model so that it ends "a:" at once and never ends "b:" (a few seconds of SGD)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    a = tok("a:", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    b = tok("b:bbbbbbbb", add_special_tokens=False)["input_ids"]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        for ids in (a, b):
+            x = torch.tensor([ids])
+            loss = model(input_ids=x, labels=x).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    model.save_pretrained(path)

@@ -1,0 +1,252 @@
+"""Top-k score centering (`score_centering=True`) as pure tensor functions.
+
+The sampler (transformers' `generate` or vLLM) reports, at every completion position, its top-k token ids ``H`` and
+their log-probs ``log q``. The trainer reads its own log-probs ``log p`` at those ids, and the loss centers the
+sampled token's score ``grad log p_y`` by ``E_q_hat[grad log p]``, where ``q_hat = q`` on ``H`` and ``rho * p`` on the
+tail with ``rho = (1 - sum_H q) / (1 - sum_H p)``. This removes the drift ``E_q[R] * E_q[grad log p]`` that a
+sampler differing from the trainer adds to the policy gradient (see docs/score_centering.md).
+
+Shapes: ``B`` responses, ``T`` completion positions, ``k`` head entries per position, ``V`` the vocabulary. A
+``mask`` is a bool or 0/1 ``[B, T]``. Masked positions are removed by selection, as in `trl_rpp.core`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .core import _accum_dtype, _as_bool_mask, _clipped_surrogate, _weighted, _zero, masked_response_mean
+
+__all__ = [
+    "sampled_and_head_logps",
+    "score_centering_coefficients",
+    "score_centering_correction",
+    "score_centered_ppo_loss",
+]
+
+
+def sampled_and_head_logps(
+    logits: torch.Tensor,
+    completion_ids: torch.Tensor,
+    head_ids: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 128,
+    overwrite_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Trainer log-probs of the sampled tokens and of the sampler's head ids, and the entropies, at `temperature`.
+
+    ``log p_v = z_v / temperature - logsumexp(z / temperature)``: the ids' logits are gathered and one logsumexp over
+    the vocabulary is subtracted. The logsumexp and the entropy (TRL's `entropy_from_logits`, without gradient) are
+    computed ``chunk_size`` positions at a time, so that besides the logits the forward produced, no tensor of the
+    vocabulary's size exists in the forward, and the backward writes the logits' gradient into one tensor. That is
+    ``log_softmax(z / temperature).gather(...)`` with the same value and gradient, without its ``[B, T, V]`` copies.
+    With ``overwrite_logits=True`` that one tensor is the logits' own storage: each chunk is read, then overwritten
+    by its gradient, so the backward allocates nothing of the vocabulary's size. Use it only when nothing reads the
+    logits after the backward (a causal LM's head does not); a second backward through the same graph then raises.
+
+    Args:
+        logits: ``[B, S, V]`` model logits with ``S >= T + 1``, position ``S - T - 1 + t`` predicting completion token
+            ``t`` (what a causal LM returns with ``logits_to_keep=T + 1``); any float dtype. Carry the gradient.
+        completion_ids: ``[B, T]`` the sampled tokens.
+        head_ids: ``[B, T, k]`` the sampler's head ids.
+        temperature: the sampling temperature the logits are divided by.
+        chunk_size: positions per chunk of the vocabulary-wide reductions.
+        overwrite_logits: let the backward write the gradient into ``logits`` (see above).
+
+    Returns:
+        ``(logps [B, T], head_logps [B, T, k], entropies [B, T])``, in float32 (float64 for float64 logits); the
+        entropies carry no gradient.
+    """
+    ids = torch.cat([completion_ids.unsqueeze(-1), head_ids], dim=-1)
+    picked, entropies = _GatheredLogSoftmax.apply(logits, ids, float(temperature), int(chunk_size), overwrite_logits)
+    return picked[..., 0], picked[..., 1:], entropies
+
+
+def _row_chunks(B, T, chunk_size):
+    for b in range(B):
+        for t0 in range(0, T, chunk_size):
+            yield b, slice(t0, min(t0 + chunk_size, T))
+
+
+class _GatheredLogSoftmax(torch.autograd.Function):
+    """``log_softmax(z / t).gather(-1, ids)`` ``[B, T, n]`` and the entropies ``[B, T]``, ``z`` the completion
+    positions of ``logits``. Saves the logits and one logsumexp per position; no ``[B, T, V]`` temporary."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, temperature, chunk_size, overwrite):
+        from trl.trainer.utils import entropy_from_logits  # loaded at first use: `import trl_rpp` stays TRL-free
+
+        B, S, _ = logits.shape
+        T = ids.size(1)
+        acc = _accum_dtype(logits.dtype)
+        z = logits[:, S - T - 1 : S - 1]
+        lse = torch.empty(B, T, dtype=acc, device=logits.device)
+        entropies = torch.empty(B, T, dtype=acc, device=logits.device)
+        for b, ts in _row_chunks(B, T, chunk_size):
+            scaled = z[b, ts].to(acc) / temperature
+            lse[b, ts] = torch.logsumexp(scaled, dim=-1)
+            entropies[b, ts] = entropy_from_logits(scaled, chunk_size)
+        picked = z.gather(-1, ids).to(acc) / temperature - lse.unsqueeze(-1)
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.temperature, ctx.chunk_size, ctx.overwrite = temperature, chunk_size, overwrite
+        ctx.mark_non_differentiable(entropies)
+        return picked, entropies
+
+    @staticmethod
+    def backward(ctx, grad_picked, _grad_entropies):
+        logits, ids, lse = ctx.saved_tensors
+        t = ctx.temperature
+        B, S, _ = logits.shape
+        T = ids.size(1)
+        if ctx.overwrite:  # positions outside the completion get no gradient; the others are overwritten below
+            grad_logits = logits
+            grad_logits[:, : S - T - 1].zero_()
+            grad_logits[:, S - 1 :].zero_()
+        else:
+            grad_logits = torch.zeros_like(logits)
+        z, grad_z = logits[:, S - T - 1 : S - 1], grad_logits[:, S - T - 1 : S - 1]
+        grad_picked = grad_picked.to(lse.dtype)
+        total = grad_picked.sum(-1, keepdim=True)
+        # d log p_v / d z_u = (1[u = v] - p_u) / t: minus p times the summed upstream gradient, plus one-hot terms.
+        # Each chunk of z is read (into p) before its gradient is written, so z and grad_z may share storage.
+        for b, ts in _row_chunks(B, T, ctx.chunk_size):
+            p = torch.exp(z[b, ts].to(lse.dtype) / t - lse[b, ts].unsqueeze(-1))
+            g = (-p * total[b, ts]).scatter_add_(-1, ids[b, ts], grad_picked[b, ts])
+            grad_z[b, ts] = g / t
+        return grad_logits, None, None, None, None
+
+
+def score_centering_coefficients(
+    head_logps: torch.Tensor,
+    sampler_head_logps: torch.Tensor,
+    mask: torch.Tensor,
+    min_tail_mass: float = 1e-6,
+    weight_fn=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Coefficients ``q_v - rho p_v`` of the top-k score-centering correction, and the two head masses.
+
+    With an importance weight ``f`` applied to the sampled token's score (``weight_fn``, elementwise on the ratio
+    ``p/q``), the centered quantity is ``E_q_hat[f(p/q_hat) grad log p]`` and the coefficients become
+    ``q_v f(p_v/q_v) - alpha p_v`` with ``alpha = rho f(1/rho)`` (the tail's ratio is ``1/rho`` everywhere).
+    ``weight_fn=None`` means ``f = 1``.
+
+    ``rho = (1 - sum_H q) / (1 - sum_H p)``. Everything is computed in float64 from detached inputs. Tail-mass clamp:
+    the sampler's tail ``1 - sum_H q`` is clamped at 0 (rounding can push it slightly negative) and the trainer's at
+    ``min_tail_mass``, so a head that holds (nearly) all of the trainer's mass gives a finite ``rho``, never NaN or
+    Inf.
+
+    Args:
+        head_logps: ``[B, T, k]`` trainer log-probs at the sampler's head ids.
+        sampler_head_logps: ``[B, T, k]`` the sampler's log-probs of those ids; ``-inf`` marks an absent entry.
+        mask: ``[B, T]`` bool or 0/1.
+        min_tail_mass: lower bound of the trainer's tail mass ``1 - sum_H p``.
+
+    Returns:
+        ``(coeff [B, T, k], sampler_head_mass [B, T], trainer_head_mass [B, T])``, float64, zero where masked or absent.
+    """
+    if head_logps.shape != sampler_head_logps.shape or head_logps.dim() != 3:
+        raise ValueError(
+            f"head_logps and sampler_head_logps must both be [B, T, k], got {tuple(head_logps.shape)} and "
+            f"{tuple(sampler_head_logps.shape)}"
+        )
+    m = _as_bool_mask(mask)
+    # An entry counts when its token position is valid and the sampler reported it (-inf = absent).
+    present = m.unsqueeze(-1) & (sampler_head_logps > float("-inf")) & ~torch.isnan(sampler_head_logps)
+    zero64 = torch.zeros((), dtype=torch.float64, device=head_logps.device)
+    q = torch.where(present, sampler_head_logps.detach().to(torch.float64), -torch.inf).exp()
+    p = torch.where(present, head_logps.detach().to(torch.float64), -torch.inf).exp()
+    q_mass, p_mass = q.sum(-1), p.sum(-1)
+    rho = ((1.0 - q_mass).clamp(min=0.0) / (1.0 - p_mass).clamp(min=min_tail_mass)).unsqueeze(-1)
+    if weight_fn is None:
+        coeff = q - rho * p
+    else:
+        # rho -> 0 (no sampler tail): alpha -> lim f(x)/x, which rho_c * f(1/rho_c) reaches without dividing by 0.
+        rho_c = rho.clamp(min=1e-300)
+        alpha = rho_c * weight_fn(1.0 / rho_c)
+        coeff = q * weight_fn(p / torch.where(present, q, 1.0)) - alpha * p
+    coeff = torch.where(present, coeff, zero64)
+    return coeff, torch.where(m, q_mass, zero64), torch.where(m, p_mass, zero64)
+
+
+def score_centering_correction(
+    head_logps: torch.Tensor,
+    sampler_head_logps: torch.Tensor,
+    mask: torch.Tensor,
+    min_tail_mass: float = 1e-6,
+    weight_fn=None,
+) -> torch.Tensor:
+    """Top-k score-centering term ``sum_{v in H} sg[q_v - rho p_v] log p_v`` (arXiv:2609.20807).
+
+    Marek & Ryabinin's correction for sampler/trainer mismatch, with the top-k estimate of `docs/score_centering.md`.
+
+    ``H`` is the sampler's head (its top-k token ids at a position), ``q`` the sampler's probabilities and ``p``
+    the trainer's, and ``rho = (1 - sum_H q) / (1 - sum_H p)`` rescales the trainer's tail to the sampler's tail
+    mass. Subtracting this term's gradient from the sampled token's score removes the drift
+    ``E_q[R] * E_q[grad log p]``: the gradient of ``-A * (log p_y - correction)`` with respect to the logits is
+    ``-A * (e_y - q_hat)`` with ``q_hat = q`` on ``H`` and ``rho * p`` elsewhere.
+
+    The coefficients come from `score_centering_coefficients` (float64, no gradient, documented tail clamp); only
+    ``head_logps`` carries the gradient.
+
+    Args:
+        head_logps: ``[B, T, k]`` trainer log-probs at the sampler's head ids (same temperature); carry the gradient.
+        sampler_head_logps: ``[B, T, k]`` the sampler's log-probs of those ids; ``-inf`` marks an absent entry.
+        mask: ``[B, T]`` bool or 0/1.
+        min_tail_mass: lower bound of the trainer's tail mass ``1 - sum_H p``.
+        weight_fn: optional importance weight ``f`` of the sampled token's score, see `score_centering_coefficients`.
+
+    Returns:
+        ``[B, T]`` correction, zero outside the mask (in ``head_logps``' dtype, at least float32).
+    """
+    coeff, _, _ = score_centering_coefficients(head_logps, sampler_head_logps, mask, min_tail_mass, weight_fn)
+    acc = _accum_dtype(head_logps.dtype)
+    zero = torch.zeros((), dtype=acc, device=head_logps.device)
+    present = coeff != 0
+    logp = torch.where(present, head_logps.to(acc), zero)
+    correction = (coeff.to(acc) * logp).sum(-1)
+    return torch.where(_as_bool_mask(mask), correction, zero)
+
+
+def score_centered_ppo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    head_logps: torch.Tensor,
+    sampler_head_logps: torch.Tensor,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    min_tail_mass: float = 1e-6,
+    importance_weights: torch.Tensor | None = None,
+    weight_fn=None,
+) -> torch.Tensor:
+    """`response_mean_ppo_loss` with the score of every valid token centered (`docs/score_centering.md`).
+
+    The clipped surrogate's gradient at a token is ``-A * w * grad log p_y`` with ``w = rho_t`` when the unclipped
+    branch is active and ``w = 0`` when the clipped one is. The centered loss adds ``sg[A * w] * correction``, so the
+    gradient becomes ``-A * w * (grad log p_y - sum_H (q_v - rho p_v) grad log p_v)``: the weight that is actually
+    applied to the token multiplies the centered score, and a clipped token stays without gradient.
+
+    With a sampler-correction weight ``w_is = f(pi_old/q)`` on each token (TRL's vLLM importance sampling), only the
+    surrogate is multiplied by ``w_is``; the correction is not, and centers ``f`` instead: its coefficients become
+    ``q_v f(p_v/q_v) - rho f(1/rho) p_v`` (``weight_fn = f``), so the gradient is
+    ``-A * w * (f(r_y) grad log p_y - E_q_hat[f(p/q_hat) grad log p])``.
+
+    Args:
+        logps, old_logps, advantages, mask: as in `response_mean_ppo_loss` (``[B, T]``).
+        head_logps: ``[B, T, k]`` current-policy log-probs at the sampler's head ids (carry the gradient).
+        sampler_head_logps: ``[B, T, k]`` the sampler's log-probs of those ids, ``-inf`` for absent entries.
+        epsilon_low, epsilon_high, min_tail_mass: see `response_mean_ppo_loss` and `score_centering_correction`.
+        importance_weights: optional ``[B, T]`` per-token ``f(pi_old/q)``; it must come with its ``weight_fn``.
+        weight_fn: ``f`` as an elementwise function of the ratio, see `score_centering_coefficients`.
+
+    Returns:
+        0-dim loss.
+    """
+    if (importance_weights is None) != (weight_fn is None):
+        raise ValueError("importance_weights and weight_fn go together: pass both or neither")
+    m = _as_bool_mask(mask)
+    token_loss, weight = _clipped_surrogate(logps, old_logps, advantages, m, epsilon_low, epsilon_high)
+    adv = torch.where(m, advantages.to(logps.dtype), _zero(logps))
+    correction = score_centering_correction(head_logps, sampler_head_logps, m, min_tail_mass, weight_fn)
+    token_loss = _weighted(token_loss, importance_weights, m)
+    return masked_response_mean(token_loss + (adv * weight) * correction.to(logps.dtype), m)

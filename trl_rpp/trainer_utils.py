@@ -1,0 +1,100 @@
+"""Wiring helpers of `RPPTrainer` (trl_rpp/trainer.py): they touch a trainer or a process group, never the math."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import check_exact_sampling
+
+# Optional per-batch model inputs (multimodal models) that TRL forwards to `_get_per_token_logps_and_entropies`.
+FORWARD_KEYS = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles", "image_sizes",
+    "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)
+
+
+@contextmanager
+def borrowed_beta(obj, needs_reference: bool):
+    """Set ``obj.beta`` non-zero for the block when a reference is needed, and back to 0.0 after it.
+
+    GRPO builds its reference (a frozen copy, or the disabled/"ref" adapter under PEFT) and computes reference
+    log-probs exactly when ``beta != 0``. REINFORCE++ needs them for its KL (``kl_coef > 0`` or ``use_kl_loss``), but
+    never GRPO's k3 term: beta is borrowed for construction and generation only, and is 0.0 whenever the loss runs.
+    """
+    obj.beta = 1.0 if needs_reference else 0.0
+    try:
+        yield
+    finally:
+        obj.beta = 0.0
+
+
+def reduce_across_processes(gather, sums=None, means=None, maxima=None, replicated=None) -> dict[str, float]:
+    """Reduce named 0-dim tensors over processes with one `gather` and one host transfer, for logging (as GRPO logs).
+
+    `sums` are summed, `means` averaged with equal weight per process (equal local batch sizes make that the global
+    mean), `maxima` maxed; `replicated` values are already equal on every process and are only transferred.
+    Returns ``{name: float}``.
+    """
+    groups = [sums or {}, means or {}, maxima or {}]
+    names = [name for group in groups for name in group]
+    local = torch.stack([v.detach().float().reshape(()) for group in groups for v in group.values()])
+    stats = gather(local.unsqueeze(0)).view(-1, len(names)).split([len(g) for g in groups], dim=1)
+    reduced = [stats[0].sum(dim=0), stats[1].mean(dim=0), stats[2].amax(dim=0)]
+    extra = [v.detach().float().reshape(()) for v in (replicated or {}).values()]
+    values = torch.cat(reduced + ([torch.stack(extra)] if extra else [])).tolist()
+    return dict(zip(names + list(replicated or {}), values))
+
+
+def token_mask(batch) -> torch.Tensor:
+    """Bool ``[B, T]``: TRL's completion mask times its tool mask (tool output tokens are internal mask holes)."""
+    mask = batch["completion_mask"].bool()
+    return mask & batch["tool_mask"].bool() if "tool_mask" in batch else mask
+
+
+def masked_max(x, mask):
+    """Max of ``x`` over ``mask``; the lowest float32 when nothing is selected."""
+    lowest = torch.full((1,), torch.finfo(torch.float32).min, device=x.device)
+    return torch.cat([torch.where(mask, x, lowest).flatten(), lowest]).max()
+
+
+@dataclass
+class PolicyForward:
+    """What the loss forward returns: ``[B, T]`` log-probs (with gradient) and entropies at the sampling
+    temperature, the MoE router loss when enabled, and with score centering ``[B, T, k]`` log-probs at the sampler's
+    head ids."""
+
+    logps: torch.Tensor
+    entropies: torch.Tensor
+    aux_loss: torch.Tensor | None = None
+    head_logps: torch.Tensor | None = None
+
+
+def as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def check_score_centering_support(trainer) -> None:
+    """Reject, at construction, the GRPO features whose sampling the top-k capture cannot see, and a model generation
+    config that changes the sampling distribution q."""
+    unsupported = [
+        ("tools", bool(trainer.tools)),
+        ("environment_factory", trainer.environment_factories is not None),
+        ("rollout_func", trainer.rollout_func is not None),
+        ("a multimodal processing_class", trainer._is_vlm),
+        ("an MoE router aux loss", trainer.aux_loss_enabled),
+    ]
+    for name, present in unsupported:
+        if present:
+            raise ValueError(
+                f"score_centering=True does not support {name}: the sampler's top-k log-probs are captured "
+                "token by token inside a single text `generate` call."
+            )
+    if trainer.use_vllm:
+        return  # vLLM samples with the config's settings, already checked by RPPConfig
+    # The model's own generation config also shapes q: check what `generate` will actually use.
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    merged = {**model.generation_config.to_dict(), **trainer.generation_kwargs}
+    check_exact_sampling(merged, trainer.temperature, where="the model's generation config: ")
