@@ -318,3 +318,42 @@ def test_sampled_and_head_logps_equal_full_log_softmax_values_and_gradients(dtyp
         assert torch.equal(head_out.detach(), mine.grad)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             (logps.sum() + head_logps.sum()).backward()
+
+
+def test_metric_sums_against_plain_loops():
+    """`score_centering_metric_sums`: the head masses, the coefficients' L1 norm and |log q_y - log p_y| summed over
+    valid tokens by plain float64 loops; NaN/Inf at masked positions and unreported sampled log-probs are skipped."""
+    from trl_rpp.score_centering import score_centering_metric_sums
+
+    g = torch.Generator().manual_seed(0)
+    B, T, k = 2, 3, 2
+    head = torch.log_softmax(torch.randn(B, T, 5, generator=g), -1)[..., :k]
+    sampler_head = torch.log_softmax(torch.randn(B, T, 5, generator=g), -1)[..., :k]
+    logps = torch.log(torch.rand(B, T, generator=g))
+    sampler_logps = torch.log(torch.rand(B, T, generator=g))
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    sampler_logps[0, 1] = float("-inf")  # the sampler did not report this sampled token
+    for x in (head, sampler_head):
+        x[0, 2] = float("nan")  # masked: never read
+    logps[1, 2] = float("inf")
+    per_token, sampled = score_centering_metric_sums(logps, head, sampler_head, sampler_logps, mask)
+
+    q_mass = p_mass = l1 = diff = 0.0
+    count = 0
+    for b in range(B):
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            q = [math.exp(float(v)) for v in sampler_head[b, t]]
+            p = [math.exp(float(v)) for v in head[b, t]]
+            rho = max(1 - sum(q), 0.0) / max(1 - sum(p), 1e-6)
+            q_mass, p_mass = q_mass + sum(q), p_mass + sum(p)
+            l1 += sum(abs(qv - rho * pv) for qv, pv in zip(q, p))
+            if math.isfinite(float(sampler_logps[b, t])):
+                diff += abs(float(sampler_logps[b, t]) - float(logps[b, t]))
+                count += 1
+    assert per_token["score_centering/sampler_head_mass"].item() == pytest.approx(q_mass, rel=1e-6)
+    assert per_token["score_centering/trainer_head_mass"].item() == pytest.approx(p_mass, rel=1e-6)
+    assert per_token["score_centering/coeff_l1"].item() == pytest.approx(l1, rel=1e-6)
+    assert sampled["sampler_logp_abs_diff"].item() == pytest.approx(diff, rel=1e-6)
+    assert sampled["sampled"].item() == count == 2

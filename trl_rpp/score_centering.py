@@ -21,6 +21,7 @@ __all__ = [
     "score_centering_coefficients",
     "score_centering_correction",
     "score_centered_ppo_loss",
+    "score_centering_metric_sums",
 ]
 
 
@@ -250,3 +251,36 @@ def score_centered_ppo_loss(
     correction = score_centering_correction(head_logps, sampler_head_logps, m, min_tail_mass, weight_fn)
     token_loss = _weighted(token_loss, importance_weights, m)
     return masked_response_mean(token_loss + (adv * weight) * correction.to(logps.dtype), m)
+
+
+@torch.no_grad()
+def score_centering_metric_sums(
+    logps: torch.Tensor,
+    head_logps: torch.Tensor,
+    sampler_head_logps: torch.Tensor,
+    sampler_logps: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Local sums behind the `score_centering/*` metrics (docs/metrics.md), for one reduction across processes.
+
+    Args:
+        logps: ``[B, T]`` trainer log-probs of the sampled tokens.
+        head_logps, sampler_head_logps: ``[B, T, k]`` trainer and sampler log-probs at the sampler's head ids.
+        sampler_logps: ``[B, T]`` the sampler's log-prob of the sampled token; non-finite where it did not report it.
+        mask: ``[B, T]`` bool or 0/1.
+
+    Returns:
+        ``(per_token, sampled)``: 0-dim sums over valid tokens of the sampler's and the trainer's head masses and of
+        the coefficients' L1 norm (keyed by metric name, to be divided by the valid-token count), and the sum of
+        ``|log q_y - log p_y|`` with the count of tokens it covers (``sampler_logp_abs_diff``, ``sampled``).
+    """
+    m = _as_bool_mask(mask)
+    coeff, q_mass, p_mass = score_centering_coefficients(head_logps, sampler_head_logps, m)
+    has = m & torch.isfinite(sampler_logps)
+    diff = torch.where(has, (sampler_logps - logps.detach()).abs(), _zero(logps))
+    per_token = {
+        "score_centering/sampler_head_mass": q_mass.sum(),
+        "score_centering/trainer_head_mass": p_mass.sum(),
+        "score_centering/coeff_l1": coeff.abs().sum(),
+    }
+    return per_token, {"sampler_logp_abs_diff": diff.sum(), "sampled": has.sum()}

@@ -15,6 +15,7 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
     -- once per micro-batch --
     _compute_loss                      `_policy_forward`, `_loss_advantages`, `_policy_loss`, `_kl_loss`, metrics
     _save_checkpoint                   the buffered generation batch (self._buffered_inputs) first, then GRPO's
+    create_model_card                  after training, on demand: `trl_rpp.model_card` instead of TRL's card text
 
 Batch keys written at generation and read by `_compute_loss` (``B`` local rows, ``T`` completion positions):
 
@@ -45,9 +46,9 @@ from .distributed import check_normalization_group
 from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_func
 from .sampling import SamplerTopKCapture, capturing_generate, parse_vllm_topk, vllm_max_logprobs
-from .score_centering import sampled_and_head_logps, score_centered_ppo_loss, score_centering_coefficients
+from .score_centering import sampled_and_head_logps, score_centered_ppo_loss, score_centering_metric_sums
 from .trainer_utils import FORWARD_KEYS, PolicyForward, as_list, borrowed_beta, check_score_centering_support
-from .trainer_utils import masked_max, reduce_across_processes, token_mask
+from .trainer_utils import empty_batch_message, masked_max, reduce_across_processes, token_mask
 
 
 class RPPTrainer(GRPOTrainer):
@@ -324,23 +325,7 @@ class RPPTrainer(GRPOTrainer):
         """Name the cause of a generation batch without any valid token. Reached only after the metrics' host
         transfer showed a global count of 0, so the extra gather here never runs on the normal path."""
         any_token = self.accelerator.gather(token_mask(batch).any().float().reshape(1)).sum().item() > 0
-        if any_token:
-            cause = (
-                "no completion that has a valid token could be scored: every reward function returned None for "
-                "each of them (an unavailable judge or reward server?)"
-            )
-        else:
-            cause = (
-                "every completion is masked (with mask_truncated_completions=True: none ended within "
-                "max_completion_length)"
-            )
-        warnings.warn(
-            f"RPPTrainer ({mode}, step {self.state.global_step}): the generation batch has no valid token: {cause}. "
-            "It is trained on as a zero-advantage step (no policy-gradient signal; a KL loss still applies) and "
-            "logged with advantages/empty_batch = 1.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        warnings.warn(empty_batch_message(mode, self.state.global_step, any_token), RuntimeWarning, stacklevel=2)
 
     # --- Loss ---------------------------------------------------------------------------------------------------
 
@@ -424,7 +409,11 @@ class RPPTrainer(GRPOTrainer):
             means["kl_loss"] = kl_loss
         if self.aux_loss_enabled:
             means["aux_loss"] = fwd.aux_loss
-        sc_per_token, sc_sums = self._score_centering_sums(fwd, inputs, mask) if fwd.head_logps is not None else ({}, {})
+        sc_per_token, sc_sums = {}, {}
+        if fwd.head_logps is not None:
+            sc_per_token, sc_sums = score_centering_metric_sums(
+                logps, fwd.head_logps, inputs["sampler_head_logps"], inputs["sampler_per_token_logps"], mask
+            )
         per_token.update(sc_per_token)
         v = reduce_across_processes(self.accelerator.gather, sums={"tokens": mask.sum(), **per_token, **sc_sums}, means=means)
         m = self._metrics[mode]
@@ -434,13 +423,3 @@ class RPPTrainer(GRPOTrainer):
             m[name].append(v[name])
         if sc_sums:  # over the tokens whose sampled log-prob the sampler reported
             m["score_centering/sampler_logp_abs_diff"].append(v["sampler_logp_abs_diff"] / max(v["sampled"], 1.0))
-
-    @staticmethod
-    def _score_centering_sums(fwd, inputs, mask):
-        coeff, q_mass, p_mass = score_centering_coefficients(fwd.head_logps, inputs["sampler_head_logps"], mask)
-        sampled = inputs["sampler_per_token_logps"]
-        has = mask & torch.isfinite(sampled)
-        diff = torch.where(has, (sampled - fwd.logps.detach()).abs(), torch.zeros((), device=sampled.device))
-        per_token = {"score_centering/sampler_head_mass": q_mass.sum(), "score_centering/trainer_head_mass": p_mass.sum(),
-                     "score_centering/coeff_l1": coeff.abs().sum()}
-        return per_token, {"sampler_logp_abs_diff": diff.sum(), "sampled": has.sum()}

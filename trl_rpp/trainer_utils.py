@@ -72,6 +72,23 @@ class PolicyForward:
     head_logps: torch.Tensor | None = None
 
 
+def empty_batch_message(mode: str, step: int, any_token: bool) -> str:
+    """The warning for a generation batch with no valid token on any process. ``any_token``: some completion has a
+    valid token (then no reward function could score any of them), else every completion is masked."""
+    if any_token:
+        cause = (
+            "no completion that has a valid token could be scored: every reward function returned None for each of "
+            "them (an unavailable judge or reward server?)"
+        )
+    else:
+        cause = "every completion is masked (with mask_truncated_completions=True: none ended within max_completion_length)"
+    return (
+        f"RPPTrainer ({mode}, step {step}): the generation batch has no valid token: {cause}. It is trained on as a "
+        "zero-advantage step (no policy-gradient signal; a KL loss still applies) and logged with "
+        "advantages/empty_batch = 1."
+    )
+
+
 def as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
