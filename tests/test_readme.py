@@ -39,8 +39,10 @@ def commands(block):
 
 
 def make_n(*args):
-    proc = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, MAKEFLAGS=""))  # fmt: skip
+    # Under `make test` (CI) this make is nested: drop the outer make's flags and level, and its directory lines.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    proc = subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
