@@ -21,7 +21,6 @@ __all__ = [
     "score_centering_coefficients",
     "score_centering_correction",
     "score_centered_ppo_loss",
-    "score_centering_metric_sums",
 ]
 
 
@@ -262,6 +261,8 @@ def score_centering_metric_sums(
     mask: torch.Tensor,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Local sums behind the `score_centering/*` metrics (docs/metrics.md), for one reduction across processes.
+
+    A logging helper of `RPPTrainer`, not part of the public API (`__all__`).
 
     Args:
         logps: ``[B, T]`` trainer log-probs of the sampled tokens.
