@@ -69,6 +69,8 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
+from ..model_card import CONVERSION_MARKER
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -91,8 +93,8 @@ SMOLLM2_SUBDIR = "SmolLM2-135M-Instruct"
 #: The Hub model the GGUF file quantizes; recorded in the marker so that model cards name it.
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
-#: File written last into a finished conversion; records provenance.
-_MARKER = "trl_rpp_conversion.json"
+#: File written last into a finished conversion; records provenance (the model card reads it: one name for both).
+_MARKER = CONVERSION_MARKER
 
 #: Files that must exist in a complete cache folder.
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", _MARKER)
