@@ -79,6 +79,10 @@ def test_reinforce_pp_with_kl_loss_instead_of_shaping():
         (dict(entropy_coef=0.01), r"entropy_coef=0.01 .*accepted: 0.0"),
         (dict(sync_ref_model=True), r"sync_ref_model=True .*accepted: False"),
         (dict(use_vllm=True, score_centering=True), r"vllm_importance_sampling_mode='sequence_mask' is not supported with score_centering=True; accepted: 'token_truncate', 'token_mask'"),
+        (dict(use_vllm=True, score_centering=True, vllm_importance_sampling_mode="sequence_truncate"), r"vllm_importance_sampling_mode='sequence_truncate' is not supported with score_centering=True; accepted: 'token_truncate', 'token_mask'"),
+        (dict(use_vllm=True, vllm_dtype="fp32"), r"vllm_dtype='fp32' is not supported; accepted values are 'auto', 'float32', 'bfloat16', 'float16'"),
+        (dict(vllm_dtype="float32"), r"vllm_dtype='float32' only applies with use_vllm=True and vllm_mode='colocate' .*accepted here: 'auto'"),
+        (dict(use_vllm=True, vllm_mode="server", vllm_dtype="float32"), r"vllm_dtype='float32' only applies .*vllm_mode='server'.*`vllm serve --dtype`"),
     ],
 )
 def test_rejections_name_field_and_accepted_values(kwargs, pattern):
@@ -91,6 +95,8 @@ def test_vllm_is_accepted_and_with_score_centering_needs_token_level_correction(
     c = make(use_vllm=True, score_centering=True, vllm_importance_sampling_mode="token_truncate")
     assert c.score_centering and c.vllm_importance_sampling_mode == "token_truncate"
     assert make(use_vllm=True, score_centering=True, vllm_importance_sampling_correction=False).score_centering
+    assert make(use_vllm=True, vllm_dtype="float32").vllm_dtype == "float32"
+    assert make(use_vllm=True).vllm_dtype == "auto"
 
 
 def test_context_parallelism_is_rejected():

@@ -151,7 +151,7 @@ GRPO_FIELDS = {
 # RPPConfig's own fields; their values and rejections are tested in test_config.py.
 RPP_FIELDS = {
     "advantage_estimator", "normalize_advantages", "gamma", "kl_coef", "use_kl_loss", "kl_loss_type", "kl_loss_coef",
-    "nonfinite_rewards", "score_centering", "score_centering_top_k",
+    "nonfinite_rewards", "score_centering", "score_centering_top_k", "vllm_dtype",
 }
 
 

