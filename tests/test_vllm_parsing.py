@@ -69,6 +69,21 @@ def test_first_missing_sampled_token_in_batch_order_is_named():
         parse_vllm_topk([[1], [2, 3, 7], [8]], logprobs, token_ids, 1)
 
 
+
+def test_lists_that_do_not_line_up_are_errors():
+    """Entries are matched by place: a sequence with fewer positions than tokens, or a position whose ids and
+    log-probs differ in length, is reported rather than shifting every later entry."""
+    logprobs, token_ids = extract_logprobs([request([{1: (-0.1, 1)}]), request([{2: (-0.2, 1)}, {3: (-0.3, 1)}])])
+    with pytest.raises(IndexError, match="for sequence 1 cover 2 positions, fewer than its 3 sampled tokens"):
+        parse_vllm_topk([[1], [2, 3, 4]], logprobs, token_ids, 1)
+    token_ids[1][1] = [3, 5]
+    with pytest.raises(ValueError, match="sequence 1, position 1 differ in length"):
+        parse_vllm_topk([[1], [2, 3]], logprobs, token_ids, 1)
+    # Positions past a sequence's tokens are not read, nor the lists of a sequence without tokens.
+    sampled, _ = parse_vllm_topk([[1], [2]], logprobs, token_ids, 1)
+    assert sampled == [[-0.1], [-0.2]]
+    assert parse_vllm_topk([[1], []], logprobs[:1], token_ids[:1], 1)[0] == [[-0.1], []]
+
 # ---------------------------------------------------------------------------------------------------------------
 # Against a plain-loop reference on random vLLM-shaped batches
 # ---------------------------------------------------------------------------------------------------------------
