@@ -17,6 +17,7 @@ setup(
     # (tests/test_package.py records their signatures).
     install_requires=[
         "torch>=2.13.0",
+        "numpy>=2.3.5",  # trl_rpp.sampling; TRL, transformers and datasets require it too
         "trl>=1.16.0,<1.17",
         "transformers>=5.24.0",
         "peft>=0.21.0",

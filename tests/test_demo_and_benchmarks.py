@@ -112,6 +112,13 @@ def test_score_centering_benchmarks_run_small(tmp_path):
 
 
 
+def test_parse_vllm_topk_benchmark_runs_small():
+    out = run(["benchmarks/parse_vllm_topk.py", "--B", "0,3", "--T", "0,4,8", "--k", "3", "--repeats", "1"])
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    assert len(rows) == 6 and all(row.endswith("| yes |") for row in rows), out  # the loops agree with the new one
+    assert "time ~ positions^" in out and "over 2 sizes (12 to 24 positions)" in out, out
+
+
 def test_score_centering_memory_benchmark_runs_small():
     out = run(["benchmarks/score_centering_memory.py", "--vocab", "512", "--hidden", "16", "--batch", "2",
                "--completion_length", "8", "--top_k", "4"])

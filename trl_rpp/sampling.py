@@ -14,8 +14,10 @@ forward pass.
 
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -178,28 +180,94 @@ def parse_vllm_topk(completion_ids, logprobs, logprob_token_ids, k: int):
     if logprobs is None or logprob_token_ids is None:
         raise ValueError("score centering with vLLM needs the engine's log-probs; vLLM returned none")
     B = len(completion_ids)
-    T = max((len(c) for c in completion_ids), default=0)
+    lengths = [len(c) for c in completion_ids]
+    T = max(lengths, default=0)
     ids = torch.zeros(B, T, k, dtype=torch.long)
     head = torch.full((B, T, k), float("-inf"))
     sampled_t = torch.full((B, T), float("-inf"))
-    sampled = []
-    for b, tokens in enumerate(completion_ids):
-        row = []
-        for t, token in enumerate(tokens):
-            entry_ids, entry_lps = logprob_token_ids[b][t], logprobs[b][t]
-            try:
-                j = entry_ids.index(token)
-            except ValueError:
-                raise ValueError(
-                    f"vLLM's log-probs for sequence {b}, position {t} do not include the sampled token {token}; "
-                    "cannot select its log-prob"
-                ) from None
-            row.append(entry_lps[j])
-            if entry_lps[j] is not None:
-                sampled_t[b, t] = entry_lps[j]
-            for i, (tid, lp) in enumerate(zip(entry_ids[:k], entry_lps[:k])):
-                ids[b, t, i] = tid
-                if lp is not None:
-                    head[b, t, i] = lp
-        sampled.append(row)
+
+    # B * T * (k + 1) entries (67 M at B=512, T=4096, k=32) are too many for a Python loop: the Python work here is
+    # per sequence, and every pass over positions or entries runs in C (map, chain, fromiter, numpy). The P valid
+    # positions are laid end to end, their N entries too; position p owns entries [start[p], ends[p]).
+    id_rows = _valid_positions(logprob_token_ids, lengths, "token ids")
+    lp_rows = _valid_positions(logprobs, lengths, "log-probs")
+    P = len(id_rows)
+    n = np.fromiter(map(len, id_rows), np.int64, count=P)
+    differ = n != np.fromiter(map(len, lp_rows), np.int64, count=P)
+    if differ.any():  # entries are paired by their place in the flat arrays: one short list shifts all the rest
+        b, t = _sequence_position(lengths, int(np.argmax(differ)))
+        raise ValueError(f"vLLM's log-probs and token ids for sequence {b}, position {t} differ in length")
+    ends = np.cumsum(n)
+    start = ends - n
+    N = int(ends[-1]) if P else 0
+    entry_ids = np.fromiter(itertools.chain.from_iterable(id_rows), np.int64, count=N)
+    entry_lps = np.fromiter(itertools.chain.from_iterable(lp_rows), np.float64, count=N)  # None -> NaN
+    tokens = np.fromiter(itertools.chain.from_iterable(completion_ids), np.int64, count=P)
+
+    # The sampled token's entry: the first one of its position whose id matches (hits come in entry order, so a
+    # position's first hit is the first of its run).
+    hit = np.flatnonzero(entry_ids == np.repeat(tokens, n))
+    hit_pos = np.searchsorted(ends, hit, side="right")
+    first = np.ones(hit.size, dtype=bool)
+    first[1:] = hit_pos[1:] != hit_pos[:-1]
+    hit = hit[first]
+    if hit.size < P:  # name the first position without one, as a loop over (b, t) would
+        found = np.zeros(P, dtype=bool)
+        found[hit_pos[first]] = True
+        b, t = _sequence_position(lengths, int(np.argmin(found)))
+        raise ValueError(
+            f"vLLM's log-probs for sequence {b}, position {t} do not include the sampled token {completion_ids[b][t]}; "
+            "cannot select its log-prob"
+        )
+    chosen = entry_lps[hit]  # [P], float64: the values TRL holds, exactly
+
+    # Head: each position's first k entries, gathered as a [P, k] block; slots past a position's n are absent.
+    slot = np.arange(k)
+    present = slot < n[:, None]
+    src = np.where(present, start[:, None] + slot, 0)  # absent slots read entry 0, then are overwritten
+    head_ids = entry_ids[src]
+    head_ids[~present] = 0
+    head_lps = entry_lps[src]
+    head_lps[~present | np.isnan(head_lps)] = -np.inf
+
+    # Rows of the [B * T] position grid that the P valid positions fill (all of them when no sequence is short).
+    # Position t of sequence b is valid position p = seq_start[b] + t and grid row b * T + t.
+    L = np.asarray(lengths, dtype=np.int64)
+    seq_start = np.cumsum(L) - L
+    rows = torch.from_numpy(np.arange(P) + np.repeat(np.arange(B) * T - seq_start, L))
+    ids.view(B * T, k)[rows] = torch.from_numpy(head_ids)
+    head.view(B * T, k)[rows] = torch.from_numpy(head_lps).to(head.dtype)  # one rounding float64 -> float32
+    sampled_t.view(B * T)[rows] = torch.from_numpy(np.where(np.isnan(chosen), -np.inf, chosen)).to(sampled_t.dtype)
+
+    # TRL builds a tensor from `sampled`: Python floats, None where vLLM gave NaN. astype(object) makes the floats
+    # in C; the split into sequences is one slice per sequence.
+    values = chosen.astype(object)
+    values[np.isnan(chosen)] = None
+    values = values.tolist()
+    sampled = [values[s : s + length] for s, length in zip(seq_start.tolist(), lengths)]
     return sampled, RecordedTopK(ids, head, sampled_t)
+
+
+def _valid_positions(per_sequence, lengths, what):
+    """The first ``lengths[b]`` positions of every sequence, end to end, in one list (positions past a sequence's
+    sampled tokens are ignored, as is a sequence with none)."""
+    rows = []
+    for b, length in enumerate(lengths):
+        if length:
+            positions = per_sequence[b]
+            if len(positions) < length:
+                raise IndexError(
+                    f"vLLM's {what} for sequence {b} cover {len(positions)} positions, fewer than its {length} "
+                    "sampled tokens"
+                )
+            rows.extend(positions if len(positions) == length else positions[:length])
+    return rows
+
+
+def _sequence_position(lengths, p: int):
+    """(sequence, position) of the p-th valid position."""
+    for b, length in enumerate(lengths):
+        if p < length:
+            return b, p
+        p -= length
+    raise IndexError(p)
