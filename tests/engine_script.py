@@ -5,6 +5,8 @@ start-up than the cases cost in training.
 Per case and rank it saves: the advantages each loss call received, the trainable parameters after each optimizer
 step (gathered in full under ZeRO-3 and FSDP2), the log history, and facts about the engine that really ran
 (wrapper class, ZeRO stage and optimizer, partitioned parameters or DTensor shards), so that the parent test can compare engines step by step.
+After the cases in `SAVED_CASES` it also calls `trainer.save_model(OUTDIR/CASE/final)`, as the `trl-rpp` CLI does,
+for the parent test to load with `from_pretrained` and compare with the gathered weights of the last step.
 
     accelerate launch --config_file CONFIG --num_processes 2 --mixed_precision no \
         engine_script.py OUTDIR MODEL EOS_MODEL {ddp,zero2,zero3,fsdp2}
@@ -46,6 +48,11 @@ CASES = {
         False,
     ),
 }
+
+
+# A full model and a LoRA adapter: what `save_model` writes differs (model weights vs adapter only) and so does
+# its route under ZeRO-3 (the frozen base is excluded from the 16-bit gather).
+SAVED_CASES = ("rpp_ref", "rpp_lora_deferred")
 
 
 def _zero3():
@@ -151,6 +158,8 @@ def run_case(outdir, model_path, eos_model_path, engine, name, resume_from=None,
         ref=partition_facts(trainer.ref_model.parameters()) if trainer.ref_model is not None else None,
     )
     trainer.train(resume_from_checkpoint=resume_from)
+    if name in SAVED_CASES and not resume_from:
+        trainer.save_model(os.path.join(outdir, name, "final"))  # a collective under ZeRO-3 and FSDP2
     facts.update(engine_facts(trainer), policy_after=partition_facts(trainer.model.parameters()))
     rank = trainer.accelerator.process_index
     out = dict(
