@@ -5,6 +5,8 @@ start-up than the cases cost in training.
 Per case and rank it saves: the advantages each loss call received, the trainable parameters after each optimizer
 step (gathered in full under ZeRO-3 and FSDP2), the log history, and facts about the engine that really ran
 (wrapper class, ZeRO stage and optimizer, partitioned parameters or DTensor shards), so that the parent test can compare engines step by step.
+After the cases in `SAVED_CASES` it also calls `trainer.save_model(OUTDIR/CASE/final)`, as the `trl-rpp` CLI does,
+for the parent test to load with `from_pretrained` and compare with the gathered weights of the last step.
 
     accelerate launch --config_file CONFIG --num_processes 2 --mixed_precision no \
         engine_script.py OUTDIR MODEL EOS_MODEL {ddp,zero2,zero3,fsdp2}
@@ -30,7 +32,9 @@ from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # no
 # shaping; k2 loss), LoRA whose reference is the disabled adapter, score centering on and off, returns built at
 # generation (steps_per_generation=2) and deferred into the loss (steps_per_generation=1), gradient accumulation.
 CASES = {
-    "rpp_ref": ("reinforce_plus_plus", dict(kl_coef=0.05, gamma=0.9, max_steps=3), False),
+    # Momentum gives the optimizer a state that a resume from the step-2 checkpoint must restore (and torch 2.13's
+    # full-state-dict optimizer load under FSDP2 fails on a stateless one: no tensor to take the device from).
+    "rpp_ref": ("reinforce_plus_plus", dict(kl_coef=0.05, gamma=0.9, max_steps=3, optim_args="momentum=0.9"), False),
     "baseline_sc": ("reinforce_plus_plus_baseline", dict(score_centering=True, score_centering_top_k=8, max_steps=2), False),
     "rpp_lora_deferred": (
         "reinforce_plus_plus",
@@ -46,6 +50,14 @@ CASES = {
         False,
     ),
 }
+
+
+# A full model and a LoRA adapter: what `save_model` writes differs (model weights vs adapter only) and so does
+# its route under ZeRO-3 (the frozen base is excluded from the 16-bit gather).
+SAVED_CASES = ("rpp_ref", "rpp_lora_deferred")
+# The engines that also checkpoint at step 2 of rpp_ref and resume from it: ZeRO-3 and FSDP2 (FULL_STATE_DICT,
+# whose checkpoints hold the model gathered on process 0, loaded back with a broadcast from it).
+RESUMED_ENGINES = ("zero3", "fsdp2")
 
 
 def _zero3():
@@ -113,8 +125,9 @@ def engine_facts(trainer):
 def run_case(outdir, model_path, eos_model_path, engine, name, resume_from=None, save=False):
     estimator, overrides, lora = CASES[name]
     overrides = dict(overrides)
-    # Plain SGD: the update is linear in the gradient, so float32 reduction-order noise stays float32-sized. Adam's
-    # first step g / (|g| + eps) turns that noise on near-zero gradients into updates of up to 2 * lr.
+    # SGD (with momentum in rpp_ref): the update is linear in the gradients, so float32 reduction-order noise stays
+    # float32-sized. Adam's first step g / (|g| + eps) turns that noise on near-zero gradients into updates of up
+    # to 2 * lr.
     kw = dict(optim="sgd", learning_rate=0.5, bf16=False)
     # On CPU, DeepSpeed needs use_cpu=False with gloo (use_cpu=True would silently fall back to DDP); plain DDP
     # and FSDP2 (through `force_fsdp_on_cpu`) need use_cpu=True (use_cpu=False without a GPU runs each rank alone).
@@ -151,6 +164,8 @@ def run_case(outdir, model_path, eos_model_path, engine, name, resume_from=None,
         ref=partition_facts(trainer.ref_model.parameters()) if trainer.ref_model is not None else None,
     )
     trainer.train(resume_from_checkpoint=resume_from)
+    if name in SAVED_CASES and not resume_from:
+        trainer.save_model(os.path.join(outdir, name, "final"))  # a collective under ZeRO-3 and FSDP2
     facts.update(engine_facts(trainer), policy_after=partition_facts(trainer.model.parameters()))
     rank = trainer.accelerator.process_index
     out = dict(
@@ -225,12 +240,13 @@ def main(outdir, model_path, eos_model_path, engine):
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     for name in CASES:
-        run_case(outdir, model_path, eos_model_path, engine, name, save=(engine == "zero3" and name == "rpp_ref"))
+        checkpointed = engine in RESUMED_ENGINES and name == "rpp_ref"
+        run_case(outdir, model_path, eos_model_path, engine, name, save=checkpointed)
     if engine == "zero2":  # accelerate accepts a parallelism_config with DeepSpeed or FSDP2, not with CPU DDP
         errors = rejections(outdir, model_path)
         torch.save(errors, os.path.join(outdir, f"rejections_rank{torch.distributed.get_rank()}.pt"))
-    if engine == "zero3":
-        # A new trainer resumes from the step-2 ZeRO-3 checkpoint and runs step 3 again.
+    if engine in RESUMED_ENGINES:
+        # A new trainer resumes from the step-2 checkpoint and runs step 3 again.
         ckpt = os.path.join(outdir, "rpp_ref", "out", "checkpoint-2")
         run_case(outdir, model_path, eos_model_path, engine, "rpp_ref", resume_from=ckpt)
 

@@ -31,6 +31,9 @@ def test_buffer_round_trip_is_atomic_and_keeps_tensors_and_numbers(tmp_path):
     assert step == 7 and len(buffer) == 2
     assert set(buffer[0]) == {"advantages", "num_items_in_batch", "scale"}  # no pickled Python objects
     assert torch.equal(buffer[1]["advantages"], batches[1]["advantages"])
+    # accelerator.device of a multi-process CPU run, which torch.load alone rejects as a map_location.
+    buffer, _ = load_generation_buffer(folder, 1, required=True, map_location=torch.device("cpu", 0))
+    assert torch.equal(buffer[1]["advantages"], batches[1]["advantages"])
 
 
 @pytest.mark.parametrize(

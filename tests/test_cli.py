@@ -167,6 +167,26 @@ def test_exact_answer_scores_the_first_integer():
     assert cli.exact_answer(completions, ["step 1... #### 1234", "-7", "3", "3"]) == [1.0, 1.0, 0.0, 0.0]
 
 
+# -- save report ---------------------------------------------------------------------------------------------------
+
+
+def test_save_report_claims_only_weights_this_save_wrote(tmp_path):
+    """`save_model` writes no weights under FSDP with SHARDED_STATE_DICT (and under ZeRO-3 without the 16-bit
+    gather): the CLI then warns instead of claiming a save, also when an earlier run left weights there."""
+    saved, line = cli.save_report(tmp_path, cli.weight_files(tmp_path))
+    assert not saved and line.startswith(f"WARNING: training finished, but no model weights were written to {tmp_path}")
+    assert "FULL_STATE_DICT" in line and "zero3_save_16bit_model" in line
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 8)  # written by this save
+    assert cli.save_report(tmp_path, {}) == (True, f"Model and model card saved to {tmp_path} (model.safetensors).")
+    before = cli.weight_files(tmp_path)
+    assert not cli.save_report(tmp_path, before)[0]  # an earlier run's file, untouched by this save
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"x")
+    assert cli.save_report(tmp_path, before) == (True, f"Model and model card saved to {tmp_path} "
+                                                       "(adapter_model.safetensors).")
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 9)  # rewritten: its size (and mtime) changed
+    assert cli.save_report(tmp_path, before)[1].endswith("(model.safetensors, adapter_model.safetensors).")
+
+
 # -- dry run -------------------------------------------------------------------------------------------------------
 
 
@@ -215,6 +235,7 @@ def test_cli_trains_with_train_and_test_splits_and_writes_the_card(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert (out / "model.safetensors").is_file()
+    assert f"Model and model card saved to {out} (model.safetensors)." in proc.stdout
     log = proc.stdout + proc.stderr
     assert "'eval_reward'" in log and "'advantages/raw_mean'" in log  # it evaluated on the test split
     card = (out / "README.md").read_text()

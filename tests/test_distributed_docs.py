@@ -43,8 +43,12 @@ def test_launch_files_load_and_match_the_docs():
         if stage is not None:
             assert config.deepspeed_config["zero_stage"] == stage
             assert config.deepspeed_config.get("zero3_init_flag", False) == (stage == 3)
+            # Trainer.save_model writes ZeRO-3 weights only with the 16-bit gather (tests/test_engines.py loads them).
+            assert config.deepspeed_config.get("zero3_save_16bit_model", False) == (stage == 3)
         if engine == "FSDP":
             assert config.fsdp_config["fsdp_version"] == 2
+            # ... and FSDP weights only with FULL_STATE_DICT (none at all with SHARDED_STATE_DICT).
+            assert config.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
     multi = load_config_from_file(str(CONFIGS / "multi_node_deepspeed_zero3.yaml"))
     assert multi.machine_rank == 0 and multi.main_process_ip and multi.main_process_port
 

@@ -5,10 +5,17 @@ test-only shim on CPU (`engine_script.force_fsdp_on_cpu`), checked against accel
 Tolerances. The advantages are z-scores (|A| < 5): float32 resolves them to ~5e-7, the engines reduce the same
 float32 sums in a different order, and from step 2 on the weights they generate and score with differ by ~1e-8.
 `ADV_ATOL = 1e-5` is the bound the single- vs multi-process tests already use. The updated parameters come from
-plain SGD, whose update is linear in the gradient, so they differ by lr times the float32 reduction noise of the
-gradient (~1e-8 measured). `PARAM_ATOL = 1e-6`, while every run moves some parameter by more than `MIN_MOVE = 1e-4` in one step
-(asserted): a gradient scaled wrong (say by the accumulation steps twice) or missing a rank is caught with two
-orders of magnitude to spare.
+SGD (with momentum in rpp_ref), whose update is linear in the gradients, so they differ by lr times the float32
+reduction noise of the gradient (~1e-8 measured). `PARAM_ATOL = 1e-6`, while every run moves some parameter by
+more than `MIN_MOVE = 1e-4` in one step (asserted): a gradient scaled wrong (say by the accumulation steps twice)
+or missing a rank is caught with two orders of magnitude to spare.
+
+Saving. After rpp_ref and the LoRA case each launch calls `trainer.save_model` (what the `trl-rpp` CLI does) and
+the test loads the result in this process: `from_pretrained` (the full model), or the initial model plus
+`PeftModel.from_pretrained` (the adapter). Every parameter must equal, bit for bit, the full value gathered after
+the last optimizer step (`full_tensor` / `GatheredParameters`, not the state-dict route save_model takes), and be
+stored as float32: ZeRO-3's "16-bit" save (`zero3_save_16bit_model`) writes the dtype the module's parameters have,
+float32 here (bf16 under bf16 training). Both are copies of the same float32 values, so the tolerance is 0.
 
 Run with `-s` to print the largest differences measured.
 """
@@ -18,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,8 +79,56 @@ def run_engine(outdir, models, engine):
     def load(tag):
         return [torch.load(os.path.join(outdir, f"{tag}_rank{r}.pt"), weights_only=False) for r in range(2)]
 
-    names = CASES + (["rpp_ref_resumed"] if engine == "zero3" else []) + (["rejections"] if engine == "zero2" else [])
-    return {name: load(name) for name in names}
+    resumed = ["rpp_ref_resumed"] if engine in ("zero3", "fsdp2") else []
+    names = CASES + resumed + (["rejections"] if engine == "zero2" else [])
+    runs = {name: load(name) for name in names}
+    runs["outdir"] = Path(outdir)
+    return runs
+
+
+SAVED_CASES = ["rpp_ref", "rpp_lora_deferred"]  # engine_script.SAVED_CASES
+
+
+def check_saved_models(engine, runs, model_path):
+    """What `save_model` wrote after each case in SAVED_CASES loads into exactly the trained weights (module
+    docstring)."""
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    for name in SAVED_CASES:
+        saved = runs["outdir"] / name / "final"
+        snapshots = runs[name][0]["params"]
+        trained, initial = snapshots[max(snapshots)], snapshots[0]
+        lora = name == "rpp_lora_deferred"
+        weights = sorted(saved.glob("adapter_model.safetensors" if lora else "model*.safetensors"))
+        assert weights, (engine, name, sorted(p.name for p in saved.iterdir()) if saved.is_dir() else "no directory")
+        dtypes = set()
+        for f in weights:
+            with safe_open(str(f), "pt") as st:
+                dtypes |= {st.get_slice(k).get_dtype() for k in st.keys()}
+        assert dtypes == {"F32"}, (engine, name, dtypes)
+        model = AutoModelForCausalLM.from_pretrained(model_path if lora else saved, dtype=torch.float32)
+        if lora:
+            model = PeftModel.from_pretrained(model, saved)
+        loaded = {n: p for n, p in model.named_parameters() if not lora or "lora_" in n}
+        assert sorted(loaded) == sorted(trained), (engine, name, sorted(set(loaded) ^ set(trained)))
+        diff = max((loaded[n].detach() - t).abs().max().item() for n, t in trained.items())
+        moved = max((t - initial[n]).abs().max().item() for n, t in trained.items())
+        print(f"{engine} {name}: saved vs trained max |d| = {diff:.3g} (trained vs initial {moved:.3g})")
+        assert diff == 0 and moved > MIN_MOVE, (engine, name, diff, moved)
+
+
+def check_resumed(engine, runs):
+    """Resumed from the step-2 checkpoint, step 3 equals the uninterrupted run (and so DDP)."""
+    resumed, full = runs["rpp_ref_resumed"], runs["rpp_ref"]
+    adv, params, _ = max_diffs(full, resumed, first_step=2)  # the weights loaded, then step 3
+    print(f"{engine} resumed vs uninterrupted, steps 2-3: max |dA| = {adv:.3g}, max |dparam| = {params:.3g}")
+    assert adv <= ADV_ATOL and params <= PARAM_ATOL, (adv, params)
+    step3 = [[h for h in run[0]["logs"] if h.get("step") == 3 and "loss" in h][0] for run in (full, resumed)]
+    assert step3[0]["reward"] == step3[1]["reward"], step3
+    assert step3[0]["advantages/valid_tokens"] == step3[1]["advantages/valid_tokens"], step3
+    assert abs(step3[0]["loss"] - step3[1]["loss"]) <= 1e-6, step3
 
 
 @pytest.fixture(scope="module")
@@ -165,15 +221,8 @@ def test_deepspeed_equals_ddp_step_by_step(tmp_path, models, ddp_runs, engine):
             assert errors["env_cp"] and errors["env_cp"].startswith("parallelism_config.cp_size=2 is not supported")
 
     if engine == "zero3":
-        # Resumed from the step-2 ZeRO-3 checkpoint, step 3 equals the uninterrupted ZeRO-3 run (and DDP).
-        resumed, full = runs["rpp_ref_resumed"], runs["rpp_ref"]
-        adv, params, _ = max_diffs(full, resumed, first_step=2)  # the weights loaded, then step 3
-        print(f"zero3 resumed vs uninterrupted, steps 2-3: max |dA| = {adv:.3g}, max |dparam| = {params:.3g}")
-        assert adv <= ADV_ATOL and params <= PARAM_ATOL, (adv, params)
-        step3 = [[h for h in run[0]["logs"] if h.get("step") == 3 and "loss" in h][0] for run in (full, resumed)]
-        assert step3[0]["reward"] == step3[1]["reward"], step3
-        assert step3[0]["advantages/valid_tokens"] == step3[1]["advantages/valid_tokens"], step3
-        assert abs(step3[0]["loss"] - step3[1]["loss"]) <= 1e-6, step3
+        check_resumed(engine, runs)
+    check_saved_models(engine, runs, models[0])
 
 
 @pytest.mark.slow
@@ -195,3 +244,10 @@ def test_fsdp2_equals_ddp_step_by_step(tmp_path, models, ddp_runs):
                     assert p["dtensor"] and 0 < p["dtensor_local_numel"] < p["local_numel"], (name, p)
         assert (runs[name][0]["facts"]["ref"] is not None) == (name != "rpp_lora_deferred")
     check_equal_to_ddp("fsdp2", runs, ddp_runs)
+    check_resumed("fsdp2", runs)
+    check_saved_models("fsdp2", runs, models[0])
+
+
+@pytest.mark.slow
+def test_ddp_saves_a_loadable_model(models, ddp_runs):
+    check_saved_models("ddp", ddp_runs, models[0])

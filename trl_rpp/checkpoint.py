@@ -105,6 +105,10 @@ def load_generation_buffer(folder: str, rank: int, required: bool, map_location=
             "silently change the run. The checkpoint was written without it (by an older version of trl_rpp, or the "
             "file was removed). Resume from an earlier checkpoint that has its buffer, or at a generation boundary."
         )
+    # torch.load has no restore rule for an indexed CPU device ("cpu:0"), which is accelerator.device in a
+    # multi-process CPU run (MULTI_CPU): the file would be reported damaged. Plain "cpu" is the same device.
+    if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "cpu":
+        map_location = "cpu"
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
         return state["buffer"], int(state["step"])

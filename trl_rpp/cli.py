@@ -230,6 +230,35 @@ def resolved_configuration(script_args, training_args, model_args) -> dict:
     }
 
 
+# What `save_pretrained` writes for a model (one file or an index of shards) or a PEFT adapter.
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+def weight_files(output_dir) -> dict:
+    """{name: (size, mtime_ns)} of the weight files present in `output_dir`."""
+    stats = {name: (Path(output_dir) / name).stat() for name in _WEIGHT_FILES if (Path(output_dir) / name).is_file()}
+    return {name: (st.st_size, st.st_mtime_ns) for name, st in stats.items()}
+
+
+def save_report(output_dir, before=None) -> tuple[bool, str]:
+    """(whether weights were written to `output_dir`, the line to print), from the files that are new or changed
+    since `before` (`weight_files` taken ahead of the save). `Trainer.save_model` can return without writing any:
+    under FSDP with SHARDED_STATE_DICT, and under ZeRO-3 without a 16-bit gather (a DeepSpeed checkpoint instead).
+    So the CLI looks at the files, and a stale file of an earlier run into the same directory does not count."""
+    before = before or {}
+    found = [name for name, stat in weight_files(output_dir).items() if before.get(name) != stat]
+    if found:
+        return True, f"Model and model card saved to {output_dir} ({', '.join(found)})."
+    return False, (
+        f"WARNING: training finished, but no model weights were written to {output_dir} (only the model card and "
+        "checkpoints, if any). Under FSDP, transformers saves them only with fsdp_state_dict_type FULL_STATE_DICT "
+        "(examples/accelerate_configs/fsdp2.yaml); a SHARDED_STATE_DICT checkpoint can be merged with `accelerate "
+        "merge-weights`. Under DeepSpeed ZeRO-3 they need zero3_save_16bit_model: true; without it a DeepSpeed "
+        "checkpoint is written there instead, whose zero_to_fp32.py recovers them."
+    )
+
+
 def train(script_args, training_args, model_args):
     from trl import get_peft_config, get_quantization_config
 
@@ -256,9 +285,12 @@ def train(script_args, training_args, model_args):
         peft_config=get_peft_config(model_args),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    before = weight_files(training_args.output_dir)
     trainer.save_model(training_args.output_dir)
     trainer.create_model_card(dataset_name=script_args.dataset_name)
-    trainer.accelerator.print(f"Model and model card saved to {training_args.output_dir}.")
+    if trainer.args.should_save:  # the process(es) that wrote the files
+        saved, line = save_report(training_args.output_dir, before)
+        print(line, file=sys.stdout if saved else sys.stderr, flush=True)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     if hasattr(trainer, "end"):
