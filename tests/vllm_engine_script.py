@@ -5,9 +5,9 @@ process (about 35 s), a further engine in the same process costs about 10 s. Eac
 to a JSON file, one per rank:
 
 - at every generation, right after the trainer synced its weights to the engine: the engine's log-probs of a fixed
-  sequence (`prompt_logprobs`), the trainer's current policy's and the initial weights' (`SyncProbe`);
+  sequence (`prompt_logprobs`), the trainer's current policy's and the initial weights' (`_probe_sync`);
 - with score centering: the engine's top-k head and sampled log-probs next to the trainer's own top-k at the same
-  weights (`TopKProbe`);
+  weights (`_probe_topk`);
 - the raw rewards, each generation batch and the inputs of each policy loss (`CaptureTrainer`, `LossCapture`).
 
     python vllm_engine_script.py OUTDIR MODEL single
@@ -17,6 +17,7 @@ vLLM starts its engine core with `spawn`: everything runs under the `__main__` g
 """
 
 import gc
+from contextlib import contextmanager
 import json
 import os
 import sys
@@ -49,8 +50,7 @@ def tensors_to_lists(x):
 
 
 def policy_logps(model, ids, temperature=1.0):
-    """``[T-1]`` float64 log-probs of ``ids[1:]`` under `model` (any process-local forward: under ZeRO-3 every
-    rank calls it at the same point, and the forward gathers the shards)."""
+    """``[T-1]`` float64 log-probs of ``ids[1:]`` under `model`."""
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].double()
     return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
@@ -61,9 +61,9 @@ class ProbingTrainer(CaptureTrainer):
     both sync the weights first), probes the engine against the trainer's current policy, and records each policy
     loss call's inputs and value."""
 
-    def __init__(self, *a, initial_model=None, **kw):
+    def __init__(self, *a, initial_probe=None, **kw):
         super().__init__(*a, **kw)
-        self.initial_model, self.sync_probes, self.topk_probes, self.loss_calls = initial_model, [], [], []
+        self.initial_probe, self.sync_probes, self.topk_probes, self.loss_calls = initial_probe, [], [], []
         self.probe_ids = self.processing_class(PROBE_TEXT, add_special_tokens=False)["input_ids"]
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
@@ -73,31 +73,38 @@ class ProbingTrainer(CaptureTrainer):
             self._probe_topk(prompt_ids, out[0])
         return out
 
+    @contextmanager
+    def full_policy(self):
+        """The current policy in eval mode, as TRL unwraps it for generation (under ZeRO-3: gathered in full, a
+        collective every rank enters at the same point)."""
+        from trl.models.utils import unwrap_model_for_generation
+
+        was_training = self.model.training
+        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as model:
+            model.eval()
+            yield model
+            model.train(was_training)
+
     def _probe_sync(self):
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         request = self.vllm_generation.llm.generate([{"prompt_token_ids": self.probe_ids}], params, use_tqdm=False)
         engine = [entry[tok].logprob for entry, tok in zip(request[0].prompt_logprobs[1:], self.probe_ids[1:])]
-        was_training = self.model.training
-        self.model.eval()
-        current = policy_logps(self.model, self.probe_ids)
-        self.model.train(was_training)
-        initial = policy_logps(self.initial_model, self.probe_ids)
+        with self.full_policy() as model:
+            current = policy_logps(model, self.probe_ids)
         self.sync_probes.append({"step": self.state.global_step, "engine": engine, "trainer": current.tolist(),
-                                 "initial": initial.tolist()})
+                                 "initial": self.initial_probe})
 
     def _probe_topk(self, prompt_ids, completion_ids):
         """The engine's head (parsed by `parse_vllm_topk`) next to the trainer's full distribution at the same
         weights, at every generated position."""
         ids, head, sampled = self._rpp_capture.tensors(max(len(c) for c in completion_ids))
         k = self.args.score_centering_top_k
-        was_training = self.model.training
-        self.model.eval()
         for b, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
             seq = list(prompt) + list(completion)
-            with torch.no_grad():
-                logits = self.model(input_ids=torch.tensor([seq])).logits[0, len(prompt) - 1 : -1].double()
+            with torch.no_grad(), self.full_policy() as model:
+                logits = model(input_ids=torch.tensor([seq])).logits[0, len(prompt) - 1 : -1].double()
             logq = torch.log_softmax(logits / self.temperature, -1)  # [T_b, V], the trainer's q
             T = len(completion)
             top = logq.topk(k, dim=-1)
@@ -109,7 +116,6 @@ class ProbingTrainer(CaptureTrainer):
                 "trainer_kth": top.values[:, -1].tolist(), "trainer_top_ids": top.indices.tolist(),
                 "trainer_sampled": logq.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist(),
             })
-        self.model.train(was_training)
 
     def _policy_loss(self, fwd, old_logps, advantages, mask, inputs):
         loss = super()._policy_loss(fwd, old_logps, advantages, mask, inputs)
@@ -183,17 +189,15 @@ def make_config(outdir, name, estimator, overrides, zero3=False):
     return RPPConfig(**base)
 
 
-def run_case(outdir, model_path, name, spec, zero3=False):
+def run_case(outdir, model_path, name, spec, initial_probe, zero3=False):
     from accelerate.utils import is_peft_model
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM
 
     estimator, overrides, lora = spec
     args = make_config(outdir, name, estimator, overrides, zero3)
-    initial = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     peft = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0) if lora else None
     trainer = ProbingTrainer(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
-                             train_dataset=copy_task_dataset(64, seed=1), peft_config=peft, initial_model=initial)
+                             train_dataset=copy_task_dataset(64, seed=1), peft_config=peft, initial_probe=initial_probe)
     sampler_logps_recorder(trainer)
     trainer.train()
     engine = trainer.vllm_generation.llm.llm_engine
@@ -235,8 +239,21 @@ def main():
     cases = {"single": SINGLE, "ddp": DISTRIBUTED, "zero3": ZERO3}[group]
     only = sys.argv[4].split(",") if len(sys.argv) > 4 else list(cases)
     rank = int(os.environ.get("RANK", "0"))
+    # The initial weights' log-probs of the probe, from a plain load before any config exists (a ZeRO-3 config
+    # makes later `from_pretrained` calls build partitioned models).
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    probe_ids = AutoTokenizer.from_pretrained(model_path)(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    initial_probe = policy_logps(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval(),
+                                 probe_ids).tolist()
+    if group == "zero3":
+        # As in tests/engine_script.py: DeepSpeed's collectives through torch.distributed (gloo), not a shared-memory
+        # kernel compiled at run time.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     for name in only:
-        result = run_case(outdir, model_path, name, cases[name], zero3=group == "zero3")
+        result = run_case(outdir, model_path, name, cases[name], initial_probe, zero3=group == "zero3")
         with open(os.path.join(outdir, f"{name}_rank{rank}.json"), "w") as f:
             json.dump(result, f)
         print(f"case {name} done", flush=True)
