@@ -105,8 +105,16 @@ def test_install_commands_are_the_makefiles():
     assert make_n("test-fast", "-B").strip().endswith('-m pytest -m "not slow" tests')
 
 
+def cli_paragraph(title=None):
+    """The Command line section up to its first bold paragraph (`title=None`), or the bold paragraph `title`."""
+    text = section("Command line")
+    if title is None:
+        return text.split("\n**")[0]
+    return "\n**" + text.split(f"\n**{title}**")[1].split("\n**")[0]
+
+
 def test_command_line_dry_run_as_written(tmp_path):
-    (block,) = blocks(section("Command line").split("**GSM8K on one GPU.**")[0], "bash")
+    (block,) = blocks(cli_paragraph(), "bash")
     (command,) = commands(block)
     assert command[0] == "trl-rpp" and command[-1] == "--dry_run"
     proc = subprocess.run([sys.executable, "-m", "trl_rpp.cli", *command[1:]], cwd=tmp_path, env=env(),
@@ -118,8 +126,40 @@ def test_command_line_dry_run_as_written(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing trained, nothing written
 
 
+def test_lora_resume_and_hub_flags_as_written(tmp_path, monkeypatch, capsys):
+    """The LoRA/resume/Hub command parses into the ModelConfig and RPPConfig fields its flags name, and resolves as
+    a dry run (its custom reward imported from the working directory, as the text says)."""
+    from trl import get_peft_config
+
+    from trl_rpp import cli
+
+    (block,) = blocks(cli_paragraph("LoRA, resuming, the Hub."), "bash")
+    (command,) = commands(block)
+    assert command[0] == "trl-rpp"
+    script_args, args, model_args = cli.make_parser().parse_args_and_config([*command[1:], "--use_cpu", "true"])
+    assert script_args.reward_funcs == ["final_answer", "my_rewards.brevity"]
+    assert (model_args.use_peft, model_args.lora_r, model_args.lora_alpha) == (True, 16, 32)
+    assert model_args.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    peft = get_peft_config(model_args)  # what the CLI hands the trainer
+    assert (peft.r, peft.lora_alpha, set(peft.target_modules)) == (16, 32, {"q_proj", "k_proj", "v_proj", "o_proj"})
+    assert args.resume_from_checkpoint == "outputs/qwen3-lora/checkpoint-100"
+    assert args.output_dir == "outputs/qwen3-lora"
+    assert args.push_to_hub is True and args.hub_model_id == "my-user/qwen3-0.6b-rpp-lora"
+    (tmp_path / "my_rewards.py").write_text("def brevity(completions, **kwargs):\n    return [0.0] * len(completions)")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    cli.main([*command[1:], "--use_cpu", "true", "--dry_run"])
+    out = capsys.readouterr().out
+    config = json.loads(out[out.index("{\n"):])  # after any line an import printed
+    assert config["peft"]["lora_r"] == 16 and config["peft"]["lora_target_modules"] == model_args.lora_target_modules
+    assert (config["resume_from_checkpoint"], config["push_to_hub"]) == ("outputs/qwen3-lora/checkpoint-100", True)
+    for flag in ("--use_peft", "--lora_r", "--lora_alpha", "--lora_dropout", "--lora_target_modules", "--use_rslora",
+                 "--use_dora", "--resume_from_checkpoint", "--push_to_hub", "--hub_model_id"):  # fmt: skip
+        assert f"`{flag}" in section("Command line"), flag
+
+
 def test_gpu_recipe_commands_as_written(tmp_path):
-    (block,) = blocks(section("Command line").split("**GSM8K on one GPU.**")[1], "bash")
+    (block,) = blocks(cli_paragraph("GSM8K on one GPU."), "bash")
     dry, train = commands(block)
     assert dry == ["DRY_RUN=1", "bash", "examples/run_qwen3_0.6b_1xgpu.sh"]
     assert train == ["ESTIMATOR=reinforce_plus_plus_baseline", "bash", "examples/run_qwen3_0.6b_1xgpu.sh"]
