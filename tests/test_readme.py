@@ -168,3 +168,18 @@ def test_gpu_recipe_commands_as_written(tmp_path):
     assert proc.returncode == 0 and json.loads(proc.stdout[proc.stdout.index("{\n"):])["reward_funcs"] == ["final_answer"]
     proc = subprocess.run(["env", *train], cwd=REPO, env=e, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr  # no GPU here: it says so and stops
+
+
+def test_trainer_docstring_lists_every_change_from_grpo():
+    """The README says RPPTrainer's class docstring lists what changes from GRPO: each change the code makes is
+    named there (the buffered generation batch, the parallelism rejection, non-finite rewards, input checks)."""
+    from trl_rpp import RPPTrainer
+
+    assert "class docstring" in section("What changes with respect to GRPO")
+    doc = " ".join(RPPTrainer.__doc__.split())
+    for term in ("**Advantages.**", "**Log-probs at generation.**", "**Loss.**", "**Metrics.**", "**Model card.**",
+                 "**vLLM.**", "**Score centering**", "**Checkpoints.**", "buffered batch is saved",
+                 "**Parallelism.**", "`tp_size`, `cp_size` or `sp_size`", "**Non-finite rewards.**",
+                 "where TRL treats NaN like `None`", '`nonfinite_rewards="unscorable"`', "**Inputs.**",
+                 "without a `prompt` column", "empty training dataset"):  # fmt: skip
+        assert term in doc, term
