@@ -170,6 +170,36 @@ def test_gpu_recipe_commands_as_written(tmp_path):
     assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr  # no GPU here: it says so and stops
 
 
+def test_coming_from_grpo_matches_the_configs():
+    """The section's GRPO defaults are GRPOConfig's, each of the three settings raises at GRPO's non-default (or
+    default) value with the message it quotes, and the metrics it names are documented in docs/metrics.md."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from trl_rpp import RPPConfig
+
+    text = section("Coming from GRPO")
+    grpo = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    for name, default, accepted in (("beta", 0.0, 0.0), ("loss_type", "dapo", "grpo"),
+                                    ("scale_rewards", "group", "none")):  # fmt: skip
+        shown = f'"{default}"' if isinstance(default, str) else repr(default)
+        assert f"**`{name}`** (GRPO's" in text and f"GRPO's default `{shown}`" in text and grpo[name] == default
+        assert f"accepts only `{shown.replace(str(default), str(accepted))}`" in text
+        assert getattr(RPPConfig, name) == accepted  # the default here: a config that leaves it out needs no change
+    quoted = re.search(r"\(`(beta=0\.04 is not supported[^`]*?)\.\.\.`\)", text).group(1)
+    with pytest.raises(ValueError) as err:
+        RPPConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", beta=0.04)
+    assert str(err.value).startswith(quoted)
+    for bad in (dict(loss_type="dapo"), dict(scale_rewards="group")):
+        with pytest.raises(ValueError, match=rf"^{next(iter(bad))}="):
+            RPPConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", **bad)
+    metrics = (REPO / "docs" / "metrics.md").read_text()
+    for key in ("ref_kl/k1_mean", "kl_loss", "ppo_kl", "returns/*"):
+        assert f"`{key}`" in text and key.rstrip("*") in metrics, key
+    assert "GRPO's `kl`" in metrics and "GRPO's `kl`" in text
+
+
 def test_trainer_docstring_lists_every_change_from_grpo():
     """The README says RPPTrainer's class docstring lists what changes from GRPO: each change the code makes is
     named there (the buffered generation batch, the parallelism rejection, non-finite rewards, input checks)."""
