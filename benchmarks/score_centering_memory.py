@@ -114,7 +114,7 @@ def main():
             output_dir=tempfile.mkdtemp(), advantage_estimator="reinforce_plus_plus", kl_coef=0.0, use_cpu=True,
             bf16=False, report_to="none", per_device_train_batch_size=opts.batch, num_generations=opts.batch,
             max_completion_length=opts.completion_length, temperature=opts.temperature, score_centering=on,
-            score_centering_top_k=opts.top_k, disable_dropout=True,
+            score_centering_top_k=opts.top_k if on else 32, disable_dropout=True,  # only score centering reads k
         )
         trainer = RPPTrainer(model=path, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                              train_dataset=copy_task_dataset(opts.batch))

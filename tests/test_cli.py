@@ -7,6 +7,7 @@ that `pip install` turns into the `trl-rpp` command).
 
 import json
 import os
+import re
 import subprocess
 import sys
 from importlib.metadata import PathDistribution
@@ -57,8 +58,19 @@ def test_no_offered_negation_always_fails():
 def test_help_lists_the_rpp_fields_and_the_script_arguments():
     text = cli.make_parser().format_help()
     for flag in ("--advantage_estimator", "--kl_coef", "--use_kl_loss", "--reward_funcs", "--eval_dataset_name",
-                 "--dry_run", "--dataset_test_split"):  # fmt: skip
+                 "--dry_run", "--dataset_test_split", "--reward_model_name_or_path", "--use_peft",
+                 "--resume_from_checkpoint", "--push_to_hub"):  # fmt: skip
         assert flag in text, flag
+
+
+def test_lora_flags_without_use_peft_are_rejected():
+    """TRL builds no adapter without --use_peft, so its LoRA flags would be ignored: an error instead."""
+    for flag, value in (("--lora_r", "8"), ("--lora_target_modules", "q_proj"), ("--use_dora", "true")):
+        _, _, model_args = _args(flag, value)
+        with pytest.raises(ValueError, match=rf"^{flag} .* is given without --use_peft.*accepted: add --use_peft"):
+            cli.check_model_args(model_args)
+        _, _, model_args = _args(flag, value, "--use_peft")
+        cli.check_model_args(model_args)  # with --use_peft they configure the adapter
 
 
 # -- datasets and splits ---------------------------------------------------------------------------------------------
@@ -148,18 +160,77 @@ def test_saved_dataset_dict_splits(tmp_path):
 # -- rewards -------------------------------------------------------------------------------------------------------
 
 
-def test_reward_registry():
+def _config():
     from trl_rpp import RPPConfig
 
-    args = RPPConfig(output_dir="unused", use_cpu=True, bf16=False, max_completion_length=16, report_to="none")
-    names = ["final_answer", "copy_first_char", "exact_answer", "get_soft_overlong_punishment", "think_format_reward"]
+    return RPPConfig(output_dir="unused", use_cpu=True, bf16=False, max_completion_length=16, report_to="none")
+
+
+def test_reward_registry():
+    args = _config()
+    names = ["final_answer", "exact_answer", "get_soft_overlong_punishment", "think_format_reward"]
     funcs = cli.resolve_reward_funcs(names, args)
-    assert len(funcs) == 5 and all(callable(f) for f in funcs)
+    assert len(funcs) == 4 and all(callable(f) for f in funcs)
     assert funcs[0](["so \\boxed{12}"], answer=["12"]) == [1.0]
-    with pytest.raises(ValueError, match=r"'nope'.*accepted names:.*copy_first_char.*exact_answer.*final_answer"):
-        cli.resolve_reward_funcs(["copy_first_char", "nope"], args)
-    with pytest.raises(ValueError, match="accepted names"):
+    expected = r"Expected one of \['accuracy_reward', 'exact_answer', 'final_answer', .*or a dotted import path"
+    with pytest.raises(ValueError, match=r"reward function 'nope' given to --reward_funcs\. " + expected):
+        cli.resolve_reward_funcs(["final_answer", "nope"], args)
+    with pytest.raises(ValueError, match=r"No reward: pass --reward_funcs and/or --reward_model_name_or_path"):
         cli.resolve_reward_funcs([], args)
+
+
+def test_test_only_reward_is_not_offered():
+    """The tiny copy task's reward is reachable from tests by its import path only, not as a built-in name."""
+    assert "copy_first_char" not in cli.make_parser().format_help()
+    assert "copy_first_char" not in cli.reward_registry(_config())
+    (func,) = cli.resolve_reward_funcs(["trl_rpp.testing.tiny.copy_first_char_reward"], _config())
+    assert func(["a:", "b:"], ["a", "c"]) == [1.0, 0.0]
+
+
+REWARD_MODULE = """
+def ends_with_bang(completions, **kwargs):
+    return [1.0 if c.endswith("!") else 0.0 for c in completions]
+
+NOT_A_FUNCTION = 3
+"""
+
+
+def test_dotted_reward_path_is_imported_from_the_working_directory(tmp_path, monkeypatch, capsys):
+    """As `trl grpo` does: `module.function`, the module found in the current directory; the reward model first."""
+    (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    funcs = cli.resolve_reward_funcs(["exact_answer", "my_rewards.ends_with_bang"], _config(), "org/reward-model")
+    assert funcs[0] == "org/reward-model" and funcs[1] is cli.exact_answer
+    assert funcs[2].__module__ == "my_rewards" and funcs[2](["yes!", "no"]) == [1.0, 0.0]
+    # Through the command line: the dry run resolves the rewards (a bad one fails there) and shows both flags.
+    cli.main(["--model_name_or_path", "m", "--dataset_name", "d", "--reward_model_name_or_path", "org/reward-model",
+              "--reward_funcs", "my_rewards.ends_with_bang", "--use_cpu", "--bf16", "false", "--output_dir", "o",
+              "--report_to", "none", "--dry_run"])  # fmt: skip
+    config = json.loads(capsys.readouterr().out)
+    assert config["reward_model_name_or_path"] == "org/reward-model"
+    assert config["reward_funcs"] == ["my_rewards.ends_with_bang"]
+
+
+@pytest.mark.parametrize(
+    "entry,pattern",
+    [
+        ("no_such_module.reward", r"importing module 'no_such_module' failed \(ModuleNotFoundError"),
+        ("my_rewards.missing", r"module 'my_rewards' has no attribute 'missing'"),
+        ("my_rewards.NOT_A_FUNCTION", r"it is a int, not a function"),
+    ],
+)
+def test_bad_reward_path_names_the_flag_before_anything_loads(tmp_path, monkeypatch, entry, pattern):
+    (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--reward_funcs", entry, "--use_cpu", "--bf16",
+            "false", "--output_dir", "o", "--report_to", "none"]  # fmt: skip
+    message = rf"reward function '{re.escape(entry)}' given to --reward_funcs: {pattern}"
+    for extra in (["--dry_run"], []):  # the dry run, and training, which fails before the (absent) data is read
+        with pytest.raises(ValueError, match=message):
+            cli.main([*argv, *extra])
 
 
 def test_exact_answer_scores_the_first_integer():
@@ -199,6 +270,7 @@ def test_dry_run_prints_the_resolved_configuration(capsys):
     assert (config["kl_coef"], config["use_kl_loss"], config["kl_loss_type"], config["kl_loss_coef"]) == (0.0, True, "k2", 0.01)
     assert (config["loss_type"], config["scale_rewards"], config["beta"]) == ("grpo", "none", 0.0)
     assert config["reward_funcs"] == ["final_answer"] and config["model_name_or_path"] == "m"
+    assert config["peft"] is None and config["reward_model_name_or_path"] is None
     assert "note" not in config
 
 
@@ -218,6 +290,8 @@ def test_console_script_is_declared_and_resolves_to_the_cli(tmp_path):
 
 @pytest.mark.slow
 def test_cli_trains_with_train_and_test_splits_and_writes_the_card(tmp_path):
+    """With a reward function from a module in the working directory (a dotted path) and a reward model, as
+    `trl grpo` takes them: both are logged under their names, so both rewarded the completions."""
     from trl_rpp.testing.tiny import build_tiny_model, copy_task_dataset
 
     model = build_tiny_model(tmp_path / "m")
@@ -225,9 +299,14 @@ def test_cli_trains_with_train_and_test_splits_and_writes_the_card(tmp_path):
     data.mkdir()
     _write(data / "train.jsonl", copy_task_dataset(32, seed=1))
     _write(data / "test.jsonl", copy_task_dataset(8, seed=2))
+    (tmp_path / "my_rewards.py").write_text(
+        "from trl_rpp.testing.tiny import copy_first_char_reward\n\n\n"
+        "def copies(prompts, completions, **kwargs):\n    return copy_first_char_reward(prompts, completions)\n"
+    )
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "trl_rpp.cli", "--model_name_or_path", model, "--dataset_name", str(data),
-           "--reward_funcs", "copy_first_char", "--max_steps", "2", "--per_device_train_batch_size", "8",
+           "--reward_model_name_or_path", model, "--reward_funcs", "my_rewards.copies",
+           "--max_steps", "2", "--per_device_train_batch_size", "8",
            "--per_device_eval_batch_size", "8", "--num_generations", "4", "--max_completion_length", "2",
            "--eval_strategy", "steps", "--eval_steps", "2", "--logging_steps", "1", "--use_cpu", "--bf16", "false",
            "--report_to", "none",
@@ -238,5 +317,6 @@ def test_cli_trains_with_train_and_test_splits_and_writes_the_card(tmp_path):
     assert f"Model and model card saved to {out} (model.safetensors)." in proc.stdout
     log = proc.stdout + proc.stderr
     assert "'eval_reward'" in log and "'advantages/raw_mean'" in log  # it evaluated on the test split
+    assert "'rewards/copies/mean'" in log and "'rewards/m/mean'" in log  # the function and the reward model
     card = (out / "README.md").read_text()
     assert "REINFORCE++" in card and "None" not in card

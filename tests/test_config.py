@@ -36,6 +36,29 @@ def test_reinforce_pp_with_kl_loss_instead_of_shaping():
     assert (c.kl_loss_type, c.kl_loss_coef) == ("k2", 0.01)
 
 
+def test_kl_loss_coef_resolves_to_zero_wherever_the_kl_loss_is_off():
+    """Left unset, the coefficient follows use_kl_loss, for both estimators: a resolved config never shows a
+    coefficient that nothing reads."""
+    c = make(advantage_estimator=BASE, use_kl_loss=False)
+    assert (c.use_kl_loss, c.kl_loss_type, c.kl_loss_coef) == (False, "k2", 0.0)
+    assert make().kl_loss_coef == 0.0 and make(advantage_estimator=BASE).kl_loss_coef == 0.01
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(gamma=1.0, advantage_estimator=BASE),  # the baseline's neutral gamma, set explicitly
+        dict(kl_loss_coef=0.0, use_kl_loss=False),  # an inactive KL loss at its neutral coefficient
+        dict(kl_loss_type="k1", use_kl_loss=False),  # REINFORCE++'s own recipe value
+        dict(score_centering_top_k=32),  # the default, without score centering
+        dict(gamma=0.0),  # REINFORCE++ honors any gamma in [0, 1]
+    ],
+)
+def test_neutral_values_of_unread_settings_are_accepted(kwargs):
+    c = make(**kwargs)
+    assert all(getattr(c, k) == v for k, v in kwargs.items())
+
+
 @pytest.mark.parametrize(
     "kwargs,pattern",
     [
@@ -50,6 +73,20 @@ def test_reinforce_pp_with_kl_loss_instead_of_shaping():
         (dict(kl_coef=0.01, use_kl_loss=True), r"use_kl_loss=True .*accepted: False while kl_coef > 0"),
         (dict(advantage_estimator=BASE, kl_coef=0.01), r"kl_coef=0.01 .*reinforce_plus_plus_baseline.*accepted: 0.0"),
         (dict(advantage_estimator=BASE, kl_loss_type="k1"), r"kl_loss_type='k1' .*accepted: 'k2'"),
+        # Settings that one estimator, or one setting, never reads: rejected, never silently ignored.
+        (dict(advantage_estimator=BASE, gamma=0.9),
+         r"^gamma=0.9 is not supported with advantage_estimator='reinforce_plus_plus_baseline'; accepted: 1.0\."),
+        (dict(advantage_estimator=BASE, gamma=0.0), r"^gamma=0.0 .*'reinforce_plus_plus_baseline'; accepted: 1.0"),
+        (dict(advantage_estimator=BASE, use_kl_loss=False, kl_loss_type="k1"),
+         r"^kl_loss_type='k1' .*'reinforce_plus_plus_baseline'; accepted: 'k2'"),
+        (dict(advantage_estimator=BASE, use_kl_loss=False, kl_loss_coef=0.01),
+         r"^kl_loss_coef=0.01 .*'reinforce_plus_plus_baseline'; accepted: 0.0 while use_kl_loss=False"),
+        (dict(kl_loss_coef=0.05), r"^kl_loss_coef=0.05 .*'reinforce_plus_plus'; accepted: 0.0 while use_kl_loss=False"),
+        (dict(kl_loss_type="k2"),
+         r"^kl_loss_type='k2' .*'reinforce_plus_plus'; accepted: 'k1' while use_kl_loss=False"),
+        (dict(score_centering_top_k=8),
+         r"^score_centering_top_k=8 is not supported with score_centering=False; accepted: 32"),
+        (dict(advantage_estimator=BASE, score_centering_top_k=64), r"^score_centering_top_k=64 .*accepted: 32"),
         (dict(kl_loss_type="k3"), r"kl_loss_type='k3' is not supported; accepted values are 'k1', 'k2'"),
         (dict(kl_loss_type="K2"), r"Did you mean 'k2'"),
         (dict(advantage_estimator=BASE, multi_objective_aggregation="normalize_then_sum"), r"multi_objective_aggregation='normalize_then_sum' .*accepted: 'sum_then_normalize'"),
@@ -81,8 +118,8 @@ def test_reinforce_pp_with_kl_loss_instead_of_shaping():
         (dict(use_vllm=True, score_centering=True), r"vllm_importance_sampling_mode='sequence_mask' is not supported with score_centering=True; accepted: 'token_truncate', 'token_mask'"),
         (dict(use_vllm=True, score_centering=True, vllm_importance_sampling_mode="sequence_truncate"), r"vllm_importance_sampling_mode='sequence_truncate' is not supported with score_centering=True; accepted: 'token_truncate', 'token_mask'"),
         (dict(use_vllm=True, vllm_dtype="fp32"), r"vllm_dtype='fp32' is not supported; accepted values are 'auto', 'float32', 'bfloat16', 'float16'"),
-        (dict(vllm_dtype="float32"), r"vllm_dtype='float32' only applies with use_vllm=True and vllm_mode='colocate' .*accepted here: 'auto'"),
-        (dict(use_vllm=True, vllm_mode="server", vllm_dtype="float32"), r"vllm_dtype='float32' only applies .*vllm_mode='server'.*`vllm serve --dtype`"),
+        (dict(vllm_dtype="float32"), r"vllm_dtype='float32' is not supported with use_vllm=False; accepted: 'auto'"),
+        (dict(use_vllm=True, vllm_mode="server", vllm_dtype="float32"), r"vllm_dtype='float32' is not supported with vllm_mode='server'; accepted: 'auto'.*`vllm serve --dtype`"),
     ],
 )
 def test_rejections_name_field_and_accepted_values(kwargs, pattern):

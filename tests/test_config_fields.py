@@ -8,6 +8,9 @@ Honored and inherited fields may list values that cannot work (a zero temperatur
 `ValueError` naming the field too. A field that TRL or transformers adds in a new version fails
 `test_every_field_is_classified` until someone decides its group here (and rejects it in `RPPConfig` if REINFORCE++
 would silently ignore it).
+
+RPPConfig's own fields are classified per estimator (`RPP_FIELDS`): where an estimator, or a setting such as
+`use_kl_loss=False`, never reads a field, its non-neutral values must raise rather than be silently ignored.
 """
 
 import dataclasses
@@ -148,10 +151,34 @@ GRPO_FIELDS = {
     "log_completions_hub_repo": inherited(),
 }
 
-# RPPConfig's own fields; their values and rejections are tested in test_config.py.
+RPP, BASE = ESTIMATORS
+# RPPConfig's own fields, for each estimator: "honored" (settings, value) where it reads the field, a non-default value
+# that takes effect; "ignored" (settings, values) where, under those settings, it never reads the field, so that these
+# values must raise instead of being silently ignored. Recipes and range checks are tested in test_config.py.
 RPP_FIELDS = {
-    "advantage_estimator", "normalize_advantages", "gamma", "kl_coef", "use_kl_loss", "kl_loss_type", "kl_loss_coef",
-    "nonfinite_rewards", "score_centering", "score_centering_top_k", "vllm_dtype",
+    "advantage_estimator": dict(honored={RPP: ({}, RPP), BASE: ({}, BASE)}),
+    "normalize_advantages": dict(honored={RPP: ({}, True), BASE: ({}, True)}),  # False is rejected for both
+    "gamma": dict(honored={RPP: ({}, 0.9)}, ignored={BASE: ({}, [0.9, 0.0])}),  # the baseline never discounts
+    "kl_coef": dict(honored={RPP: ({}, 0.05)}, ignored={BASE: ({}, [0.01])}),  # the baseline's KL is the loss
+    "use_kl_loss": dict(honored={RPP: ({"kl_coef": 0.0}, True), BASE: ({}, False)}),
+    "kl_loss_type": dict(
+        honored={RPP: ({"kl_coef": 0.0, "use_kl_loss": True}, "k2"), BASE: ({}, "k2")},
+        ignored={RPP: ({"use_kl_loss": False}, ["k2"]), BASE: ({"use_kl_loss": False}, ["k1"])},
+    ),
+    "kl_loss_coef": dict(
+        honored={RPP: ({"kl_coef": 0.0, "use_kl_loss": True}, 0.05), BASE: ({}, 0.05)},
+        ignored={RPP: ({"use_kl_loss": False}, [0.01]), BASE: ({"use_kl_loss": False}, [0.01])},
+    ),
+    "nonfinite_rewards": dict(honored={RPP: ({}, "unscorable"), BASE: ({}, "unscorable")}),
+    "score_centering": dict(honored={RPP: ({}, True), BASE: ({}, True)}),
+    "score_centering_top_k": dict(
+        honored={RPP: ({"score_centering": True}, 8), BASE: ({"score_centering": True}, 8)},
+        ignored={RPP: ({"score_centering": False}, [8]), BASE: ({"score_centering": False}, [64])},
+    ),
+    "vllm_dtype": dict(
+        honored={RPP: ({"use_vllm": True}, "float32"), BASE: ({"use_vllm": True}, "float32")},
+        ignored={RPP: ({"use_vllm": False}, ["float32"]), BASE: ({"use_vllm": False}, ["bfloat16"])},
+    ),
 }
 
 
@@ -166,7 +193,7 @@ def test_every_field_is_classified():
     )
     stale = sorted((set(GRPO_FIELDS) | set(TRAINING_ARGUMENTS)) - grpo)
     assert not stale, f"fields classified here that GRPOConfig no longer has: {stale}"
-    assert not RPP_FIELDS & grpo, "an RPP field shadows a GRPOConfig field: classify it in GRPO_FIELDS instead"
+    assert not set(RPP_FIELDS) & grpo, "an RPP field shadows a GRPOConfig field: classify it in GRPO_FIELDS instead"
 
 
 CASES = [(name, value) for name, (_, bad, _) in GRPO_FIELDS.items() for value in bad]
@@ -180,6 +207,43 @@ def test_values_that_cannot_work_are_rejected_naming_the_field(estimator, name, 
     message = str(err.value)
     assert message.startswith(f"{name}=") or message.startswith(f"{name}["), message
     assert "accepted" in message, message
+
+
+def test_every_rpp_field_is_classified_for_both_estimators():
+    own = [f.name for f in dataclasses.fields(RPPConfig) if f.name in RPPConfig.__annotations__]
+    own = [n for n in own if n not in GRPO_FIELDS]  # loss_type, scale_rewards: GRPO fields with another default
+    assert sorted(own) == sorted(RPP_FIELDS)
+    for name, groups in RPP_FIELDS.items():
+        for estimator in ESTIMATORS:
+            assert estimator in groups["honored"] or estimator in groups.get("ignored", {}), (name, estimator)
+
+
+IGNORED = [(name, est, settings, value) for name, groups in RPP_FIELDS.items()
+           for est, (settings, values) in groups.get("ignored", {}).items() for value in values]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,estimator,settings,value", IGNORED,
+                         ids=[f"{n}={v!r}-{e}" for n, e, _, v in IGNORED])  # fmt: skip
+def test_rpp_settings_an_estimator_never_reads_are_rejected(name, estimator, settings, value):
+    with pytest.raises(ValueError) as err:
+        RPPConfig(**CPU, advantage_estimator=estimator, **settings, **{name: value})
+    message = str(err.value)
+    assert message.startswith(f"{name}={value!r} is not supported with "), message
+    # The message names the estimator, or the setting, under which the field is not read, and what is accepted.
+    context = {"score_centering_top_k": "score_centering=False", "vllm_dtype": "use_vllm=False"}.get(
+        name, f"advantage_estimator={estimator!r}")
+    assert context in message and "accepted: " in message, message
+
+
+HONORED = [(name, est, settings, value) for name, groups in RPP_FIELDS.items()
+           for est, (settings, value) in groups["honored"].items()]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,estimator,settings,value", HONORED,
+                         ids=[f"{n}={v!r}-{e}" for n, e, _, v in HONORED])  # fmt: skip
+def test_rpp_settings_an_estimator_reads_are_accepted(name, estimator, settings, value):
+    config = RPPConfig(**CPU, **{"advantage_estimator": estimator, **settings, name: value})
+    assert getattr(config, name) == value
 
 
 OK = [(name, ok) for name, (_, _, ok) in GRPO_FIELDS.items() if ok is not None]

@@ -1,10 +1,14 @@
 """docs/distributed.md and examples/accelerate_configs/: every launch file loads with accelerate's own reader and
 says what the docs say, and every command in the docs parses: accelerate's launch flags with accelerate's parser,
 the script's flags into `RPPConfig` and friends with the script's own parser, `vllm serve`'s flags with vLLM's.
-Running the files for real, with the trainer, is tests/test_engines.py (CPU, 2 processes)."""
+Every training command resolves to the one-GPU GSM8K recipe's settings (reward, estimator, chat template, lengths),
+and the data preparation command is the recipe's. Running the files for real, with the trainer, is
+tests/test_engines.py (CPU, 2 processes)."""
 
+import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "examples" / "accelerate_configs"
 DOC = REPO / "docs" / "distributed.md"
+RECIPE = REPO / "examples" / "run_qwen3_0.6b_1xgpu.sh"
+PREPARE = ["python", "-m", "trl_rpp.recipes.gsm8k"]
+# What makes a run the recipe's: model, data, reward, estimator, chat template, lengths, per-device batch layout.
+RECIPE_KEYS = (
+    "model_name_or_path", "dataset_name", "reward_model_name_or_path", "reward_funcs", "advantage_estimator",
+    "normalize_advantages", "gamma", "kl_coef", "use_kl_loss", "kl_loss_type", "kl_loss_coef", "num_generations",
+    "loss_type", "scale_rewards", "beta", "epsilon", "epsilon_high", "temperature", "learning_rate",
+    "chat_template_kwargs", "max_completion_length", "per_device_train_batch_size", "gradient_accumulation_steps",
+    "steps_per_generation", "num_iterations", "bf16",
+)
 
 
 def doc_commands():
@@ -76,7 +90,7 @@ def test_every_command_in_the_docs_parses(script_parser):
         argv = shlex.split(command)
         while "=" in argv[0]:  # leading VAR=value assignments
             argv = argv[1:]
-        if argv[0] == "pip":
+        if argv[0] == "pip" or argv[:3] == PREPARE:  # the recipe's own command: test_commands_are_the_recipes
             continue
         if argv[:2] == ["vllm", "serve"]:
             # vLLM's own parser; the flags TRL's clients rely on (what TRL 1.16's deprecated `trl vllm-serve` adds)
@@ -99,3 +113,57 @@ def test_every_command_in_the_docs_parses(script_parser):
         _, config, _ = script_parser.parse_args_into_dataclasses([*launch.training_script_args, "--use_cpu", "true"])
         mode = re.search(r"--vllm_mode (\w+)", command)
         assert config.use_vllm == bool(mode) and (not mode or config.vllm_mode == mode.group(1)), command
+
+
+def without_env(argv):
+    """`argv` without its leading VAR=value assignments."""
+    while argv and "=" in argv[0] and not argv[0].startswith("-"):
+        argv = argv[1:]
+    return argv
+
+
+def recipe_commands(estimator):
+    """The recipe's data preparation and training commands for `estimator`, as its dry run prints them (with
+    PYTHON=true the dry run stops there, before resolving), split into argv lists."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "DATA_DIR", "OUTPUT_DIR", "LEARNING_RATE",
+                                                          "MAX_STEPS", "MAX_COMPLETION_LENGTH", "GSM8K_SOURCE")}
+    env.update(DRY_RUN="1", PYTHON="true", ESTIMATOR=estimator, THINKING="0")
+    proc = subprocess.run(["bash", str(RECIPE)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    prepare, train = (shlex.split(line) for line in proc.stdout.splitlines()[:2])
+    return prepare, train
+
+
+def resolved(argv, parser):
+    """The resolved configuration (the CLI's dry run) of an `accelerate launch` command."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from trl_rpp.cli import resolved_configuration
+
+    assert argv[:2] == ["accelerate", "launch"], argv
+    launch = launch_command_parser().parse_args(argv[2:])
+    # `--use_cpu true` only so that `--bf16 true` passes TrainingArguments' device check on this CPU machine.
+    return resolved_configuration(*parser.parse_args_into_dataclasses([*launch.training_script_args, "--use_cpu",
+                                                                       "true"]))
+
+
+def test_commands_are_the_recipes(script_parser):
+    """Every training command of the doc learns what the one-GPU recipe learns: the same reward, estimator
+    settings, chat template arguments and lengths, for its estimator; its data is the recipe's preparation."""
+    recipes = {est: recipe_commands(est) for est in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")}
+    want = {est: resolved(train, script_parser) for est, (_, train) in recipes.items()}
+    assert want["reinforce_plus_plus"]["reward_funcs"] == ["final_answer"]
+    assert want["reinforce_plus_plus"]["chat_template_kwargs"] == {"enable_thinking": False}
+    commands = [without_env(shlex.split(c)) for c in doc_commands()]
+    launches = [argv for argv in commands if argv[:2] == ["accelerate", "launch"]]
+    assert len(launches) == sum("examples/rpp.py" in c for c in doc_commands()) >= 9
+    seen = set()
+    for argv in launches:
+        config = resolved(argv, script_parser)
+        recipe = want[config["advantage_estimator"]]
+        seen.add(config["advantage_estimator"])
+        differ = {k: (config[k], recipe[k]) for k in RECIPE_KEYS if config[k] != recipe[k]}
+        assert not differ, (shlex.join(argv), differ)
+    assert seen == set(want), "both estimators have a command"
+    (prepare,) = [argv for argv in commands if argv[:3] == PREPARE]
+    assert prepare[1:] == recipes["reinforce_plus_plus"][0][1:]  # the recipe's, with `python` for its PYTHON

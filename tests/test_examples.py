@@ -52,7 +52,7 @@ def test_script_trains_saves_and_writes_model_card(tiny_setup, tmp_path, estimat
         "--use_cpu", "--bf16", "False",
         "--report_to", "none",
         "--output_dir", str(out),
-        "--reward_funcs", "copy_first_char",
+        "--reward_funcs", "trl_rpp.testing.tiny.copy_first_char_reward",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -72,7 +72,8 @@ def test_dataset_without_prompt_column_fails_in_subprocess(tmp_path):
     data = tmp_path / "bad.csv"
     data.write_text("question,answer\n1+1?,2\n")
     cmd = [sys.executable, str(SCRIPT), "--model_name_or_path", str(tmp_path / "missing"), "--dataset_name",
-           str(data), "--reward_funcs", "copy_first_char", "--use_cpu", "--bf16", "False", "--report_to", "none",
+           str(data), "--reward_funcs", "trl_rpp.testing.tiny.copy_first_char_reward", "--use_cpu", "--bf16", "False",
+           "--report_to", "none",
            "--output_dir", str(tmp_path / "out")]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0

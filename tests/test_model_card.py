@@ -4,6 +4,7 @@ the demo writes is checked end to end in `tests/test_demo_and_benchmarks.py`."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -41,7 +42,7 @@ def test_hub_model_and_dataset_are_linked():
 def test_local_model_and_generated_dataset_get_no_link(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     card = render_model_card(args=_config(), base_model=str(tmp_path), dataset_name="generated arithmetic prompts")
-    assert f"fine-tuned version of the local checkpoint `{tmp_path}` on generated arithmetic prompts." in card
+    assert f"fine-tuned version of the local checkpoint `{tmp_path.name}` on generated arithmetic prompts." in card
     assert "base_model" not in card and "datasets:" not in card
     assert_no_broken_links(card)
     card = render_model_card(args=_config(), base_model=None, dataset_name=None)
@@ -55,11 +56,33 @@ def test_gguf_conversion_names_the_hub_model(tmp_path):
     hub, text = describe_base_model(str(tmp_path))
     assert hub == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert text.startswith("[HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct)")
-    assert "`SmolLM2-135M-Instruct.Q4_1.gguf`" in text and str(tmp_path) in text
+    assert "`SmolLM2-135M-Instruct.Q4_1.gguf`" in text and str(tmp_path) not in text  # no local folder named
     # A conversion marker from before `base_model` was recorded still names the GGUF file, without a link.
     (tmp_path / "trl_rpp_conversion.json").write_text(json.dumps({"source_gguf": "SmolLM2-135M-Instruct.Q4_1.gguf"}))
     assert describe_base_model(str(tmp_path)) == (
-        None, f"a local checkpoint converted to float32 from the GGUF file `SmolLM2-135M-Instruct.Q4_1.gguf` (`{tmp_path}`)")
+        None, "a local checkpoint converted to float32 from the GGUF file `SmolLM2-135M-Instruct.Q4_1.gguf`")
+
+
+def test_card_never_names_an_absolute_local_path(tmp_path):
+    """The card is meant for the Hub: a model converted into a cache under the home directory (the demo's
+    SmolLM2), a local dataset and an output folder are named by their Hub id or their last component only."""
+    home_cache = Path.home() / ".cache" / "trl_rpp" / "card-test-does-not-exist"  # never created
+    converted = tmp_path / "cache" / "smollm2"
+    converted.mkdir(parents=True)
+    (converted / "trl_rpp_conversion.json").write_text(json.dumps(
+        {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "source_gguf": str(tmp_path / "x" / "m.Q4_1.gguf")}))
+    data = tmp_path / "train.jsonl"
+    data.write_text("{}\n")
+    args = RPPConfig(output_dir=str(tmp_path / "outputs" / "demo"), use_cpu=True, bf16=False, report_to="none")
+    for base in (str(converted), str(home_cache), str(tmp_path)):
+        card = render_model_card(args=args, base_model=base, dataset_name=str(data), peft_type="LoRA")
+        assert str(tmp_path) not in card and str(Path.home()) not in card and "/.cache" not in card, card
+        assert "`train.jsonl`" in card and 'model="demo"' in card
+    card = render_model_card(args=args, base_model=str(converted), dataset_name=str(data))
+    assert "fine-tuned version of [HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/" in card
+    assert "(converted to float32 from the GGUF file `m.Q4_1.gguf`) on the local dataset `train.jsonl`." in card
+    assert describe_base_model(str(home_cache)) == (None, "the local checkpoint `card-test-does-not-exist`")
+    assert describe_base_model("~/models/base")[1] == "the local checkpoint `base`"
 
 
 def test_adapter_is_named_and_the_library_is_peft():
@@ -68,10 +91,13 @@ def test_adapter_is_named_and_the_library_is_peft():
     assert "library_name: peft" in card
 
 
-def test_dataset_descriptions(tmp_path):
-    data = tmp_path / "train.jsonl"
+def test_dataset_descriptions(tmp_path, monkeypatch):
+    data = tmp_path / "data" / "train.jsonl"
+    data.parent.mkdir()
     data.write_text("{}\n")
-    assert describe_dataset(str(data)) == (None, f"the local dataset `{data}`")
+    assert describe_dataset(str(data)) == (None, "the local dataset `train.jsonl`")
+    monkeypatch.chdir(tmp_path)
+    assert describe_dataset("data/train.jsonl") == (None, "the local dataset `data/train.jsonl`")  # relative: as given
     assert describe_dataset("arithmetic") == (None, "arithmetic")  # no namespace: not a Hub dataset id
     assert describe_dataset(None) == (None, None)
 

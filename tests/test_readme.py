@@ -110,8 +110,16 @@ def test_install_commands_are_the_makefiles():
     assert make_n("test-fast", "-B").strip().endswith('-m pytest -m "not slow" tests')
 
 
+def cli_paragraph(title=None):
+    """The Command line section up to its first bold paragraph (`title=None`), or the bold paragraph `title`."""
+    text = section("Command line")
+    if title is None:
+        return text.split("\n**")[0]
+    return "\n**" + text.split(f"\n**{title}**")[1].split("\n**")[0]
+
+
 def test_command_line_dry_run_as_written(tmp_path):
-    (block,) = blocks(section("Command line").split("**GSM8K on one GPU.**")[0], "bash")
+    (block,) = blocks(cli_paragraph(), "bash")
     (command,) = commands(block)
     assert command[0] == "trl-rpp" and command[-1] == "--dry_run"
     proc = subprocess.run([sys.executable, "-m", "trl_rpp.cli", *command[1:]], cwd=tmp_path, env=env(),
@@ -123,8 +131,40 @@ def test_command_line_dry_run_as_written(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing trained, nothing written
 
 
+def test_lora_resume_and_hub_flags_as_written(tmp_path, monkeypatch, capsys):
+    """The LoRA/resume/Hub command parses into the ModelConfig and RPPConfig fields its flags name, and resolves as
+    a dry run (its custom reward imported from the working directory, as the text says)."""
+    from trl import get_peft_config
+
+    from trl_rpp import cli
+
+    (block,) = blocks(cli_paragraph("LoRA, resuming, the Hub."), "bash")
+    (command,) = commands(block)
+    assert command[0] == "trl-rpp"
+    script_args, args, model_args = cli.make_parser().parse_args_and_config([*command[1:], "--use_cpu", "true"])
+    assert script_args.reward_funcs == ["final_answer", "my_rewards.brevity"]
+    assert (model_args.use_peft, model_args.lora_r, model_args.lora_alpha) == (True, 16, 32)
+    assert model_args.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    peft = get_peft_config(model_args)  # what the CLI hands the trainer
+    assert (peft.r, peft.lora_alpha, set(peft.target_modules)) == (16, 32, {"q_proj", "k_proj", "v_proj", "o_proj"})
+    assert args.resume_from_checkpoint == "outputs/qwen3-lora/checkpoint-100"
+    assert args.output_dir == "outputs/qwen3-lora"
+    assert args.push_to_hub is True and args.hub_model_id == "my-user/qwen3-0.6b-rpp-lora"
+    (tmp_path / "my_rewards.py").write_text("def brevity(completions, **kwargs):\n    return [0.0] * len(completions)")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    cli.main([*command[1:], "--use_cpu", "true", "--dry_run"])
+    out = capsys.readouterr().out
+    config = json.loads(out[out.index("{\n"):])  # after any line an import printed
+    assert config["peft"]["lora_r"] == 16 and config["peft"]["lora_target_modules"] == model_args.lora_target_modules
+    assert (config["resume_from_checkpoint"], config["push_to_hub"]) == ("outputs/qwen3-lora/checkpoint-100", True)
+    for flag in ("--use_peft", "--lora_r", "--lora_alpha", "--lora_dropout", "--lora_target_modules", "--use_rslora",
+                 "--use_dora", "--resume_from_checkpoint", "--push_to_hub", "--hub_model_id"):  # fmt: skip
+        assert f"`{flag}" in section("Command line"), flag
+
+
 def test_gpu_recipe_commands_as_written(tmp_path):
-    (block,) = blocks(section("Command line").split("**GSM8K on one GPU.**")[1], "bash")
+    (block,) = blocks(cli_paragraph("GSM8K on one GPU."), "bash")
     dry, train = commands(block)
     assert dry == ["DRY_RUN=1", "bash", "examples/run_qwen3_0.6b_1xgpu.sh"]
     assert train == ["ESTIMATOR=reinforce_plus_plus_baseline", "bash", "examples/run_qwen3_0.6b_1xgpu.sh"]
@@ -133,3 +173,48 @@ def test_gpu_recipe_commands_as_written(tmp_path):
     assert proc.returncode == 0 and json.loads(proc.stdout[proc.stdout.index("{\n"):])["reward_funcs"] == ["final_answer"]
     proc = subprocess.run(["env", *train], cwd=REPO, env=e, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr  # no GPU here: it says so and stops
+
+
+def test_coming_from_grpo_matches_the_configs():
+    """The section's GRPO defaults are GRPOConfig's, each of the three settings raises at GRPO's non-default (or
+    default) value with the message it quotes, and the metrics it names are documented in docs/metrics.md."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from trl_rpp import RPPConfig
+
+    text = section("Coming from GRPO")
+    grpo = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    for name, default, accepted in (("beta", 0.0, 0.0), ("loss_type", "dapo", "grpo"),
+                                    ("scale_rewards", "group", "none")):  # fmt: skip
+        shown = f'"{default}"' if isinstance(default, str) else repr(default)
+        assert f"**`{name}`** (GRPO's" in text and f"GRPO's default `{shown}`" in text and grpo[name] == default
+        assert f"accepts only `{shown.replace(str(default), str(accepted))}`" in text
+        assert getattr(RPPConfig, name) == accepted  # the default here: a config that leaves it out needs no change
+    quoted = re.search(r"\(`(beta=0\.04 is not supported[^`]*?)\.\.\.`\)", text).group(1)
+    with pytest.raises(ValueError) as err:
+        RPPConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", beta=0.04)
+    assert str(err.value).startswith(quoted)
+    for bad in (dict(loss_type="dapo"), dict(scale_rewards="group")):
+        with pytest.raises(ValueError, match=rf"^{next(iter(bad))}="):
+            RPPConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", **bad)
+    metrics = (REPO / "docs" / "metrics.md").read_text()
+    for key in ("ref_kl/k1_mean", "kl_loss", "ppo_kl", "returns/*"):
+        assert f"`{key}`" in text and key.rstrip("*") in metrics, key
+    assert "GRPO's `kl`" in metrics and "GRPO's `kl`" in text
+
+
+def test_trainer_docstring_lists_every_change_from_grpo():
+    """The README says RPPTrainer's class docstring lists what changes from GRPO: each change the code makes is
+    named there (the buffered generation batch, the parallelism rejection, non-finite rewards, input checks)."""
+    from trl_rpp import RPPTrainer
+
+    assert "class docstring" in section("What changes with respect to GRPO")
+    doc = " ".join(RPPTrainer.__doc__.split())
+    for term in ("**Advantages.**", "**Log-probs at generation.**", "**Loss.**", "**Metrics.**", "**Model card.**",
+                 "**vLLM.**", "**Score centering**", "**Checkpoints.**", "buffered batch is saved",
+                 "**Parallelism.**", "`tp_size`, `cp_size` or `sp_size`", "**Non-finite rewards.**",
+                 "where TRL treats NaN like `None`", '`nonfinite_rewards="unscorable"`', "**Inputs.**",
+                 "without a `prompt` column", "empty training dataset"):  # fmt: skip
+        assert term in doc, term

@@ -246,7 +246,7 @@ def test_deferred_returns_equal_generation_time_returns_and_save_a_forward(tmp_p
         args = make_args(
             tmp_path / str(deferred), "reinforce_plus_plus", kl_coef=0.05, gamma=0.9, steps_per_generation=1,
             gradient_accumulation_steps=2, max_steps=3, score_centering=score_centering,
-            score_centering_top_k=8,
+            score_centering_top_k=8 if score_centering else 32,  # only score centering reads it
         )
         trainer = CaptureTrainer(
             model=tiny_model, reward_funcs=[copy_first_char_reward, length_reward], args=args,

@@ -15,13 +15,21 @@ passed to the reward functions as keyword arguments.
   evaluation (`--eval_strategy` other than `no`) needs `--eval_dataset_name` (another file, directory or Hub
   dataset). Naming another train split for such a file is rejected.
 
-On CPU add `--use_cpu --bf16 false`. Every `RPPConfig`/`GRPOConfig` field is a flag, and `--config recipe.yaml`
-works as in TRL. `examples/rpp.py` is this same program.
+Rewards (`--reward_funcs`, `--reward_model_name_or_path`) are resolved as `trl grpo` resolves them: a built-in
+name, or a dotted import path `my_lib.rewards.custom_reward` importable from the current directory or PYTHONPATH;
+the reward model comes first, then the functions in their order (the order of `--reward_weights`).
+
+On CPU add `--use_cpu --bf16 false`. Every `RPPConfig`/`GRPOConfig` field is a flag, and so is every TRL
+`ModelConfig` field (`--use_peft --lora_r 16 ...`); `--config recipe.yaml` works as in TRL. `examples/rpp.py` is
+this same program.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,12 +44,20 @@ _REJECTED_NEGATIONS = ("--no_normalize_advantages", "--no_use_bias_correction_kl
 
 @dataclass
 class RPPScriptArguments(ScriptArguments):
+    reward_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Reward model, as in `trl grpo`: a Hub model id or a local directory saved with "
+                  "`save_pretrained`, loaded as a sequence classifier with one label. It is the first reward, "
+                  "before --reward_funcs (the order of --reward_weights)."},
+    )
     reward_funcs: list[str] = field(
         default_factory=list,
-        metadata={"help": "Reward functions by name: final_answer (the last number, \\boxed{} or #### answer "
-                  "equals the `answer` column), exact_answer (the first integer equals `answer`), "
-                  "copy_first_char, or a TRL reward (accuracy_reward, reasoning_accuracy_reward, "
-                  "think_format_reward, get_soft_overlong_punishment, get_repetition_penalty_reward)."},
+        metadata={"help": "Reward functions: final_answer (the last number, \\boxed{} or #### answer equals the "
+                  "`answer` column), exact_answer (the first integer equals `answer`), a TRL reward "
+                  "(accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment "
+                  "with max_completion_len=--max_completion_length and a quarter of it as soft_punish_cache, "
+                  "get_repetition_penalty_reward), or, as in `trl grpo`, a dotted import path to a function "
+                  "(`my_lib.rewards.custom_reward`), importable from the current directory or PYTHONPATH."},
     )
     eval_dataset_name: str | None = field(
         default=None,
@@ -104,11 +120,6 @@ def reward_registry(training_args):
 
         return make
 
-    def copy_first_char():
-        from trl_rpp.testing.tiny import copy_first_char_reward
-
-        return copy_first_char_reward
-
     def final_answer():
         from trl_rpp.recipes.gsm8k import final_answer_reward
 
@@ -118,7 +129,6 @@ def reward_registry(training_args):
     return {
         "final_answer": final_answer,
         "exact_answer": lambda: exact_answer,
-        "copy_first_char": copy_first_char,
         "accuracy_reward": trl_reward("accuracy_reward"),
         "reasoning_accuracy_reward": trl_reward("reasoning_accuracy_reward"),
         "think_format_reward": trl_reward("think_format_reward"),
@@ -127,12 +137,63 @@ def reward_registry(training_args):
     }
 
 
-def resolve_reward_funcs(names, training_args):
+def _expected(registry) -> str:
+    return (f"Expected one of {sorted(registry)} or a dotted import path to a function (e.g. "
+            "'my_lib.rewards.custom_reward'), importable from the current directory or PYTHONPATH.")
+
+
+def import_reward_func(path, registry):
+    """The function a dotted `--reward_funcs` path names, imported as `trl grpo` imports it (the current directory
+    first on `sys.path`); a `ValueError` naming the flag and the entry when it cannot be loaded."""
+    module_path, _, name = path.rpartition(".")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as trl grpo does: a rewards.py next to the command imports
+    try:
+        module = importlib.import_module(module_path)
+    except ImportError as err:
+        raise ValueError(f"Could not load reward function {path!r} given to --reward_funcs: importing module "
+                         f"{module_path!r} failed ({type(err).__name__}: {err}). {_expected(registry)}") from err
+    func = getattr(module, name, None)
+    if func is None:
+        raise ValueError(f"Could not load reward function {path!r} given to --reward_funcs: module {module_path!r} "
+                         f"has no attribute {name!r}. {_expected(registry)}")
+    if not callable(func):
+        raise ValueError(f"Could not load reward function {path!r} given to --reward_funcs: it is a "
+                         f"{type(func).__name__}, not a function. {_expected(registry)}")
+    return func
+
+
+def resolve_reward_funcs(names, training_args, reward_model_name_or_path=None):
+    """The trainer's `reward_funcs`, in `trl grpo`'s order: the reward model (its id or path; the trainer loads it),
+    then each `--reward_funcs` entry, a built-in name or a dotted import path."""
     registry = reward_registry(training_args)
-    unknown = [name for name in names if name not in registry]
-    if unknown or not names:
-        raise ValueError(f"Unknown or missing --reward_funcs {unknown or names}; accepted names: {sorted(registry)}.")
-    return [registry[name]() for name in names]
+    if not names and not reward_model_name_or_path:
+        raise ValueError(f"No reward: pass --reward_funcs and/or --reward_model_name_or_path. {_expected(registry)}")
+    rewards = [reward_model_name_or_path] if reward_model_name_or_path else []
+    for name in names:
+        if name in registry:
+            rewards.append(registry[name]())
+        elif "." in name.strip("."):
+            rewards.append(import_reward_func(name, registry))
+        else:
+            raise ValueError(f"Could not load reward function {name!r} given to --reward_funcs. {_expected(registry)}")
+    return rewards
+
+
+# ModelConfig's LoRA flags: read only by `get_peft_config`, which returns None without --use_peft.
+_PEFT_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+                "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora")
+
+
+def check_model_args(model_args):
+    """Reject LoRA flags given without --use_peft: TRL would build no adapter and ignore them."""
+    if model_args.use_peft:
+        return
+    defaults = {f.name: f.default for f in dataclasses.fields(model_args)}
+    for name in _PEFT_FIELDS:
+        if getattr(model_args, name) != defaults[name]:
+            raise ValueError(f"--{name} {getattr(model_args, name)!r} is given without --use_peft, so no LoRA adapter "
+                             "is built and it would be ignored; accepted: add --use_peft (or drop the flag).")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -212,7 +273,7 @@ _SHOWN_FIELDS = (
     "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "num_iterations",
     "loss_type", "scale_rewards", "beta", "epsilon", "epsilon_high", "learning_rate", "max_steps",
     "max_completion_length", "temperature", "chat_template_kwargs", "bf16", "use_cpu", "gradient_checkpointing",
-    "eval_strategy", "output_dir", "report_to", "seed",
+    "eval_strategy", "output_dir", "resume_from_checkpoint", "push_to_hub", "hub_model_id", "report_to", "seed",
 )
 
 
@@ -225,8 +286,11 @@ def resolved_configuration(script_args, training_args, model_args) -> dict:
         "dataset_train_split": script_args.dataset_train_split,
         "dataset_test_split": script_args.dataset_test_split,
         "eval_dataset_name": script_args.eval_dataset_name,
+        "reward_model_name_or_path": script_args.reward_model_name_or_path,
         "reward_funcs": list(script_args.reward_funcs),
         **{name: getattr(training_args, name) for name in _SHOWN_FIELDS},
+        # The adapter get_peft_config builds from the ModelConfig flags, or None without --use_peft.
+        "peft": {name: getattr(model_args, name) for name in _PEFT_FIELDS} if model_args.use_peft else None,
     }
 
 
@@ -266,7 +330,7 @@ def train(script_args, training_args, model_args):
 
     if not script_args.dataset_name:
         raise ValueError("--dataset_name is required (a local file or directory, or a Hub dataset name).")
-    reward_funcs = resolve_reward_funcs(script_args.reward_funcs, training_args)
+    reward_funcs = resolve_reward_funcs(script_args.reward_funcs, training_args, script_args.reward_model_name_or_path)
     train_dataset, eval_dataset = load_datasets(script_args, training_args)
     for name in ("exact_answer", "final_answer"):
         if name in script_args.reward_funcs and "answer" not in train_dataset.column_names:
@@ -311,7 +375,10 @@ def main(argv=None):
             raise
         script_args, training_args, model_args = parser.parse_args_and_config([*argv, "--use_cpu", "true"])
         without_gpu = True
+    check_model_args(model_args)
     if script_args.dry_run:
+        # Rewards are resolved (a dotted path imported) so that a bad one fails here too; nothing is loaded.
+        resolve_reward_funcs(script_args.reward_funcs, training_args, script_args.reward_model_name_or_path)
         config = resolved_configuration(script_args, training_args, model_args)
         if without_gpu:
             config["use_cpu"] = False

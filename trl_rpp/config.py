@@ -15,10 +15,14 @@ KL_LOSS_TYPES = ("k1", "k2")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # Per-estimator defaults of the REINFORCE++ recipes (`docs/numerics.md`) for the fields left at `None`.
+# `kl_loss_coef` follows `use_kl_loss` instead (`_KL_LOSS_COEF`): 0.0 wherever the KL loss is off, so that the resolved
+# config never shows a coefficient that nothing reads.
 _RECIPES = {
-    "reinforce_plus_plus": dict(kl_coef=0.01, use_kl_loss=False, kl_loss_type="k1", kl_loss_coef=0.0),
-    "reinforce_plus_plus_baseline": dict(kl_coef=0.0, use_kl_loss=True, kl_loss_type="k2", kl_loss_coef=0.01),
+    "reinforce_plus_plus": dict(kl_coef=0.01, use_kl_loss=False, kl_loss_type="k1"),
+    "reinforce_plus_plus_baseline": dict(kl_coef=0.0, use_kl_loss=True, kl_loss_type="k2"),
 }
+_KL_LOSS_COEF = {True: 0.01, False: 0.0}
+_SCORE_CENTERING_TOP_K = 32
 
 
 def _suggest(value, choices) -> str:
@@ -38,7 +42,8 @@ class RPPConfig(GRPOConfig):
     when the config is built, with a `ValueError` naming the field and the accepted values.
 
     Every [`~trl.GRPOConfig`] field is inherited (GRPO's code handles it, as in [`~trl.GRPOTrainer`]), honored (the
-    REINFORCE++ code implements it), or rejected; `docs/robustness.md` lists them. Rejected, any value but the one
+    REINFORCE++ code implements it), or rejected; `tests/test_config_fields.py` classifies every one and enforces
+    it, for both estimators. Rejected, any value but the one
     shown: `beta` (`0.0`), `loss_type` (`"grpo"`), `scale_rewards` (`"none"`), `multi_objective_aggregation`
     (`"sum_then_normalize"`), `importance_sampling_level` (`"token"`), `delta`, `off_policy_mask_threshold` (`None`),
     `top_entropy_quantile` (`1.0`), `entropy_coef` (`0.0`), `use_adaptive_entropy`, `sync_ref_model` (`False`), and,
@@ -49,6 +54,11 @@ class RPPConfig(GRPOConfig):
     `reward_weights` finite; `max_completion_length`, `num_generations`, `num_generations_eval`, `num_iterations`,
     `steps_per_generation` and `generation_batch_size` integers `>= 1`; and `generation_kwargs` may not turn
     sampling off (`do_sample=False`, `temperature <= 0`): REINFORCE++ is a sampled policy gradient.
+
+    The fields below that one estimator, or one setting, does not read accept only their neutral value there, so
+    that no setting is silently ignored: with `"reinforce_plus_plus_baseline"`, `gamma` (`1.0`), `kl_coef` (`0.0`)
+    and `kl_loss_type` (`"k2"`); with `use_kl_loss=False`, `kl_loss_coef` (`0.0`) and, for `"reinforce_plus_plus"`,
+    `kl_loss_type` (`"k1"`); with `score_centering=False`, `score_centering_top_k` (`32`).
 
     Parameters:
         > Parameters that control the advantage estimator
@@ -66,7 +76,9 @@ class RPPConfig(GRPOConfig):
             processes (population variance, variance floor `1e-8`). Both estimators are defined with it, so `False`
             is rejected.
         gamma (`float`, *optional*, defaults to `1.0`):
-            Discount of the REINFORCE++ returns, in `[0, 1]`. The REINFORCE++ recipe is `1.0`. Unused by the baseline.
+            Discount of the REINFORCE++ returns, in `[0, 1]`. The REINFORCE++ recipe is `1.0`.
+            `"reinforce_plus_plus_baseline"` accepts only `1.0`: its advantage is the centered terminal reward,
+            broadcast undiscounted to every token, so no other value would take effect.
         kl_coef (`float`, *optional*):
             Coefficient of the k1 reference KL folded into the REINFORCE++ token reward. Defaults to `0.01` for
             `"reinforce_plus_plus"` and `0.0` for `"reinforce_plus_plus_baseline"`, which requires `0.0` (its KL is the
@@ -78,11 +90,13 @@ class RPPConfig(GRPOConfig):
         kl_loss_type (`str`, *optional*):
             Estimator of the separate KL loss: `"k1"` (`log pi - log pi_ref`) or `"k2"`
             (`0.5 * (log pi - log pi_ref)^2`). Defaults to the recipes: `"k1"` for `"reinforce_plus_plus"` (the
-            estimator of its reward shaping; it only matters if the KL loss is turned on instead) and `"k2"` for
-            `"reinforce_plus_plus_baseline"`, which accepts only `"k2"`.
+            estimator of its reward shaping; it only matters if the KL loss is turned on instead, so with
+            `use_kl_loss=False` only `"k1"` is accepted) and `"k2"` for `"reinforce_plus_plus_baseline"`, which
+            accepts only `"k2"`.
         kl_loss_coef (`float`, *optional*):
-            Coefficient of the separate KL loss. Defaults to `0.01` for `"reinforce_plus_plus_baseline"` and `0.0`
-            for `"reinforce_plus_plus"`, or `0.01` there too when `use_kl_loss=True`. Must be finite and `>= 0`.
+            Coefficient of the separate KL loss. Defaults to `0.01` when the KL loss is on (`use_kl_loss`, on by
+            default for `"reinforce_plus_plus_baseline"`) and `0.0` when it is off; with `use_kl_loss=False` only
+            `0.0` is accepted. Must be finite and `>= 0`.
 
         nonfinite_rewards (`str`, *optional*, defaults to `"error"`):
             What to do when a reward function or reward model returns NaN or +/-Inf for a completion, or a number
@@ -101,8 +115,11 @@ class RPPConfig(GRPOConfig):
             softmax at `temperature`: `top_p < 1`, `top_k > 0`, `min_p > 0`, `repetition_penalty != 1` and other
             distribution-changing generation settings are rejected.
         score_centering_top_k (`int`, *optional*, defaults to `32`):
-            Size `k` of the sampler's head recorded per generated token (memory `O(B * T * k)`). `k = 32` matches the
-            exact correction in the published measurements.
+            Size `k` of the sampler's head recorded per generated token (memory `O(B * T * k)`). The error of the
+            top-`k` estimate grows with the sampler's mass outside the head: on SmolLM2-135M-Instruct sampling open
+            text at temperature 1, `k = 32` left a 22-24% relative error of the correction's gradient (13% at
+            `k = 128`), against the 0.17-0.94% the score-centering paper reports at `k = 32` on Qwen3-0.6B
+            (`docs/score_centering.md`). Only `32` is accepted with `score_centering=False`, where nothing reads it.
         vllm_dtype (`str`, *optional*, defaults to `"auto"`):
             Data type of the colocated vLLM engine's weights and compute (`use_vllm=True`, `vllm_mode="colocate"`).
             `"auto"` is vLLM's choice, the checkpoint's dtype, except that vLLM downcasts a float32 checkpoint to
@@ -128,7 +145,10 @@ class RPPConfig(GRPOConfig):
     )
     gamma: float = field(
         default=1.0,
-        metadata={"help": "Discount of the REINFORCE++ returns, in [0, 1]. The REINFORCE++ recipe is 1.0. Unused by the baseline."},
+        metadata={
+            "help": "Discount of the REINFORCE++ returns, in [0, 1]. The REINFORCE++ recipe is 1.0. "
+            "reinforce_plus_plus_baseline accepts only 1.0: its advantage is not discounted."
+        },
     )
     kl_coef: float | None = field(
         default=None,
@@ -151,16 +171,17 @@ class RPPConfig(GRPOConfig):
         metadata={
             "help": "Estimator of the separate KL loss: k1 (log pi - log pi_ref) or k2 (0.5 * (log pi - log "
             "pi_ref)^2). Defaults to the REINFORCE++ recipes: k1 for reinforce_plus_plus (the estimator of its reward "
-            "shaping; it only matters if the KL loss is turned on instead) and k2 for reinforce_plus_plus_baseline, "
-            "which accepts only k2.",
+            "shaping; it only matters if the KL loss is turned on instead, so only k1 is accepted while use_kl_loss "
+            "is false) and k2 for reinforce_plus_plus_baseline, which accepts only k2.",
             "choices": list(KL_LOSS_TYPES),
         },
     )
     kl_loss_coef: float | None = field(
         default=None,
         metadata={
-            "help": "Coefficient of the separate KL loss. Defaults to 0.01 for reinforce_plus_plus_baseline and 0.0 "
-            "for reinforce_plus_plus, or 0.01 there too when use_kl_loss=True. Must be finite and >= 0."
+            "help": "Coefficient of the separate KL loss. Defaults to 0.01 when the KL loss is on (use_kl_loss, on by "
+            "default for reinforce_plus_plus_baseline) and 0.0 when it is off; only 0.0 is accepted while use_kl_loss "
+            "is false. Must be finite and >= 0."
         },
     )
 
@@ -183,8 +204,11 @@ class RPPConfig(GRPOConfig):
         },
     )
     score_centering_top_k: int = field(
-        default=32,
-        metadata={"help": "Size k of the sampler's head recorded per generated token (memory O(B * T * k))."},
+        default=_SCORE_CENTERING_TOP_K,
+        metadata={
+            "help": "Size k of the sampler's head recorded per generated token (memory O(B * T * k)); see "
+            "docs/score_centering.md for the error measured at each k. Only 32 is accepted without score_centering."
+        },
     )
 
     vllm_dtype: str = field(
@@ -207,7 +231,9 @@ class RPPConfig(GRPOConfig):
     )
     scale_rewards: str = field(
         default="none",
-        metadata={"help": "Must be 'none': REINFORCE++ normalizes globally and the baseline never divides by a group std."},
+        metadata={
+            "help": "Must be 'none': REINFORCE++ normalizes globally and the baseline never divides by a group std."
+        },
     )
 
     def __post_init__(self):
@@ -240,8 +266,12 @@ class RPPConfig(GRPOConfig):
         if isinstance(self.score_centering_top_k, bool) or not isinstance(self.score_centering_top_k, int) or (
             self.score_centering_top_k < 1
         ):
-            raise ValueError(f"score_centering_top_k={self.score_centering_top_k!r} is not supported; accepted: an integer >= 1.")
-        settings = dict(top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty)
+            raise ValueError(
+                f"score_centering_top_k={self.score_centering_top_k!r} is not supported; accepted: an integer >= 1."
+            )
+        settings = dict(
+            top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty
+        )
         check_exact_sampling(settings, self.temperature, where="")
         check_exact_sampling(dict(self.generation_kwargs or {}), self.temperature, where="generation_kwargs: ")
         if self.use_transformers_continuous_batching:
@@ -267,12 +297,11 @@ class RPPConfig(GRPOConfig):
                 f"{', '.join(repr(e) for e in ESTIMATORS)}.{_suggest(self.advantage_estimator, ESTIMATORS)}"
             )
         baseline = self.advantage_estimator == "reinforce_plus_plus_baseline"
-        recipe = dict(_RECIPES[self.advantage_estimator])
-        if self.use_kl_loss and not baseline:
-            recipe["kl_loss_coef"] = 0.01
-        for name, value in recipe.items():
+        for name, value in _RECIPES[self.advantage_estimator].items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        if self.kl_loss_coef is None:
+            self.kl_loss_coef = _KL_LOSS_COEF[bool(self.use_kl_loss)]
 
         def reject(field_name, accepted, why):
             raise ValueError(
@@ -295,11 +324,15 @@ class RPPConfig(GRPOConfig):
                 f"vllm_dtype={self.vllm_dtype!r} is not supported; accepted values are "
                 f"{', '.join(repr(d) for d in VLLM_DTYPES)}.{_suggest(self.vllm_dtype, VLLM_DTYPES)}"
             )
-        if self.vllm_dtype != "auto" and not (self.use_vllm and self.vllm_mode == "colocate"):
+        if self.vllm_dtype != "auto" and not self.use_vllm:
             raise ValueError(
-                f"vllm_dtype={self.vllm_dtype!r} only applies with use_vllm=True and vllm_mode='colocate' (got "
-                f"use_vllm={self.use_vllm!r}, vllm_mode={self.vllm_mode!r}); accepted here: 'auto'. A vLLM server "
-                "takes its dtype from `vllm serve --dtype`."
+                f"vllm_dtype={self.vllm_dtype!r} is not supported with use_vllm=False; accepted: 'auto'. It sets the "
+                "dtype of the colocated vLLM engine, and there is none."
+            )
+        if self.vllm_dtype != "auto" and self.vllm_mode != "colocate":
+            raise ValueError(
+                f"vllm_dtype={self.vllm_dtype!r} is not supported with vllm_mode={self.vllm_mode!r}; accepted: 'auto'. "
+                "A vLLM server takes its dtype from `vllm serve --dtype`."
             )
         if not self.normalize_advantages:
             reject("normalize_advantages", "True", "Both estimators are defined with global advantage normalization.")
@@ -337,18 +370,37 @@ class RPPConfig(GRPOConfig):
                 reject(
                     "num_generations",
                     "an integer >= 2",
-                    "The inclusive group mean includes each sample itself, so one sample per prompt gives zero advantages.",
+                    "The inclusive group mean includes each sample itself, so one sample per prompt gives zero "
+                    "advantages.",
                 )
             if self.kl_coef != 0.0:
                 reject("kl_coef", "0.0", "The baseline keeps KL out of the advantage; use kl_loss_coef.")
-            if self.use_kl_loss and self.kl_loss_type != "k2":
+            if self.gamma != 1.0:
+                reject("gamma", "1.0", "The baseline's advantage is the centered terminal reward broadcast to every "
+                       "token, never discounted: gamma only discounts the REINFORCE++ returns.")
+            if self.kl_loss_type != "k2":
                 reject("kl_loss_type", "'k2'", "The baseline's reference regularization is the k2 loss.")
             if self.num_generations_eval is not None and self.num_generations_eval < 2:
                 reject(
                     "num_generations_eval",
                     "None or an integer >= 2",
-                    "The inclusive group mean includes each sample itself, so one sample per prompt gives zero advantages.",
+                    "The inclusive group mean includes each sample itself, so one sample per prompt gives zero "
+                    "advantages.",
                 )
+        if not self.use_kl_loss:
+            # Both only configure the separate KL loss: with it off, any other value would be silently ignored.
+            if self.kl_loss_coef != 0.0:
+                reject("kl_loss_coef", "0.0 while use_kl_loss=False (or set use_kl_loss=True)",
+                       "Without the KL loss nothing reads its coefficient.")
+            if not baseline and self.kl_loss_type != "k1":
+                reject("kl_loss_type", "'k1' while use_kl_loss=False (or set use_kl_loss=True)",
+                       "Without the KL loss nothing reads its estimator.")
+        if not self.score_centering and self.score_centering_top_k != _SCORE_CENTERING_TOP_K:
+            raise ValueError(
+                f"score_centering_top_k={self.score_centering_top_k!r} is not supported with score_centering=False; "
+                f"accepted: {_SCORE_CENTERING_TOP_K} (its default), or set score_centering=True. Only score "
+                "centering reads it."
+            )
         if self.multi_objective_aggregation != "sum_then_normalize":
             reject(
                 "multi_objective_aggregation",
@@ -391,18 +443,22 @@ class RPPConfig(GRPOConfig):
         if not _positive_finite(self.epsilon):
             reject("epsilon", "a finite float > 0", "It is the lower clip range of the ratio, 1 - epsilon.")
         if self.epsilon_high is not None and not _positive_finite(self.epsilon_high):
-            reject("epsilon_high", "None or a finite float > 0", "It is the upper clip range of the ratio, 1 + epsilon_high.")
+            reject("epsilon_high", "None or a finite float > 0",
+                   "It is the upper clip range of the ratio, 1 + epsilon_high.")
         if self.reward_weights is not None and not all(_real(w) and math.isfinite(w) for w in self.reward_weights):
             reject("reward_weights", "None or a list of finite floats", "A NaN weight would silently drop its "
                    "reward function from the sum, and an infinite one makes every advantage NaN.")
         if self.router_aux_loss_coef is not None and not _nonnegative_finite(self.router_aux_loss_coef):
-            reject("router_aux_loss_coef", "None or a finite float >= 0", "It scales the MoE router's load-balancing loss.")
+            reject("router_aux_loss_coef", "None or a finite float >= 0",
+                   "It scales the MoE router's load-balancing loss.")
         counts = [
             ("max_completion_length", self.max_completion_length, "It is the number of tokens sampled per completion."),
             ("num_generations", self.num_generations, "It is the number of completions sampled per prompt."),
-            ("num_generations_eval", self.num_generations_eval, "It is the number of completions per prompt in evaluation."),
+            ("num_generations_eval", self.num_generations_eval,
+             "It is the number of completions per prompt in evaluation."),
             ("num_iterations", self.num_iterations, "It is the number of optimization passes over a generation batch."),
-            ("steps_per_generation", self.steps_per_generation, "It is the number of optimizer steps per generation batch."),
+            ("steps_per_generation", self.steps_per_generation,
+             "It is the number of optimizer steps per generation batch."),
             ("generation_batch_size", self.generation_batch_size, "It is the number of completions per generation."),
         ]
         optional = {"num_generations_eval", "steps_per_generation", "generation_batch_size"}

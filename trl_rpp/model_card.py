@@ -4,8 +4,10 @@ settings that trained the model, and the citations.
 TRL's card (`trl.trainer.utils.generate_model_card`) links `https://huggingface.co/<base_model>` and
 `https://huggingface.co/datasets/<dataset_name>` whatever the names are, so a local checkpoint gives
 "[None](https://huggingface.co/None)" and a local or generated dataset a broken link. Here a name is linked only
-when it is a Hub id; a local folder is named as a path, and a folder converted by `trl_rpp.testing.assets` from a GGUF
-file names the Hub model it came from (its `trl_rpp_conversion.json`).
+when it is a Hub id; a folder converted by `trl_rpp.testing.assets` from a GGUF file names the Hub model it came from
+(its `trl_rpp_conversion.json`). A card is meant for the Hub, so it never shows a machine path: a local model,
+dataset or output folder is named by its last component (`/home/me/.cache/x/base` is `base`), or as given when
+the path is relative.
 """
 
 from __future__ import annotations
@@ -56,6 +58,19 @@ _DATASET_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # Hub data
 _ESTIMATOR_NAMES = {"reinforce_plus_plus": "REINFORCE++", "reinforce_plus_plus_baseline": "REINFORCE++-baseline"}
 
 
+def local_name(path) -> str:
+    """How a card names a local path: as given when relative, else only its last component, never a machine path
+    (a home directory, a cache, a temporary folder)."""
+    text = str(path)
+    if Path(text).is_absolute() or text.startswith("~"):
+        return Path(text).expanduser().name or text.strip("/~") or "local"
+    return text
+
+
+def _is_path(name: str) -> bool:
+    return Path(name).expanduser().exists() or Path(name).is_absolute() or name.startswith(("~", "./", "../"))
+
+
 def describe_base_model(name_or_path: str | None) -> tuple[str | None, str]:
     """`(Hub id or None, Markdown phrase)` for the model a run started from."""
     if not name_or_path:
@@ -65,14 +80,17 @@ def describe_base_model(name_or_path: str | None) -> tuple[str | None, str]:
         marker = path / CONVERSION_MARKER
         if marker.is_file():
             info = json.loads(marker.read_text())
-            converted = f"converted to float32 from the GGUF file `{info.get('source_gguf', '?')}`"
+            gguf = Path(str(info.get("source_gguf", "?"))).name
+            converted = f"converted to float32 from the GGUF file `{gguf}`"
             hub = info.get("base_model")
             if hub:
-                return hub, f"[{hub}](https://huggingface.co/{hub}) ({converted}, loaded from the local folder `{path}`)"
-            return None, f"a local checkpoint {converted} (`{path}`)"
-        return None, f"the local checkpoint `{path}`"
+                return hub, f"[{hub}](https://huggingface.co/{hub}) ({converted})"
+            return None, f"a local checkpoint {converted}"
+        return None, f"the local checkpoint `{local_name(name_or_path)}`"
     if _MODEL_ID.match(name_or_path):
         return name_or_path, f"[{name_or_path}](https://huggingface.co/{name_or_path})"
+    if _is_path(name_or_path):
+        return None, f"the local checkpoint `{local_name(name_or_path)}`"
     return None, f"`{name_or_path}`"
 
 
@@ -80,8 +98,8 @@ def describe_dataset(name: str | None) -> tuple[str | None, str | None]:
     """`(Hub id or None, Markdown phrase or None)` for the training data."""
     if not name:
         return None, None
-    if Path(name).expanduser().exists():
-        return None, f"the local dataset `{name}`"
+    if _is_path(name):
+        return None, f"the local dataset `{local_name(name)}`"
     if _DATASET_ID.match(name):
         return name, f"the [{name}](https://huggingface.co/datasets/{name}) dataset"
     return None, f"{name}"
@@ -136,7 +154,7 @@ def render_model_card(
     base_id, base_text = describe_base_model(base_model)
     dataset_id, dataset_text = describe_dataset(dataset_name)
     model_name = model_name or Path(str(args.output_dir)).name
-    load_from = hub_model_id or str(args.output_dir)
+    load_from = hub_model_id or local_name(args.output_dir)
     card_data = ModelCardData(
         base_model=base_id,
         datasets=[dataset_id] if dataset_id else None,

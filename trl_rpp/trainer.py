@@ -57,7 +57,8 @@ class RPPTrainer(GRPOTrainer):
     """REINFORCE++ / REINFORCE++-baseline trainer (arXiv:2501.03262, v9 main equations).
 
     Use it exactly like [`~trl.GRPOTrainer`], with an [`RPPConfig`]. Everything GRPO does (generation, reward
-    functions, PEFT, accelerate, logging, checkpoints, model cards) is inherited. What differs from `GRPOTrainer`:
+    functions, PEFT, accelerate, logging, checkpoints, model cards) is inherited. What differs from `GRPOTrainer`,
+    all of it (the config's own rejections are in [`RPPConfig`]):
 
     1. **Advantages.** After GRPO generates and scores a generation batch, the raw per-completion rewards (weighted
        sum over reward functions, gathered across processes, before any GRPO normalization) are turned into `[B, T]`
@@ -90,6 +91,18 @@ class RPPTrainer(GRPOTrainer):
        forward then keeps the completion logits (to read the trainer's log-probs at the sampler's head ids, with no
        further vocabulary-sized copy: `sampled_and_head_logps`) instead of GRPO's fused log-prob head. Extra
        metrics: `score_centering/*`.
+    8. **Checkpoints.** With `steps_per_generation > 1` or `num_iterations > 1` a checkpoint can fall inside a
+       generation batch: the buffered batch is saved with it and a resumed run trains on it (GRPO samples a new
+       one); a checkpoint whose write was interrupted is refused, naming the file, before `Trainer` loads it
+       (`trl_rpp.checkpoint`).
+    9. **Parallelism.** Tensor, context and sequence parallelism (`tp_size`, `cp_size` or `sp_size` > 1) raise a
+       `ValueError` at construction: the normalization counts every process's tokens once (`trl_rpp.distributed`).
+    10. **Non-finite rewards.** NaN or +/-Inf from a reward function or model (or a number beyond float32) raises a
+       `ValueError` naming the function and the row, where TRL treats NaN like `None`;
+       `nonfinite_rewards="unscorable"` makes such values unscorable instead. A non-number always raises.
+    11. **Inputs.** `args` must be an `RPPConfig` (`TypeError`); a train or eval dataset without a `prompt` column
+       (unless an `environment_factory` is given) or an empty training dataset raises a `ValueError` before any
+       model is loaded.
     """
 
     _tag_names = ["trl", "rpp", "reinforce-plus-plus"]
