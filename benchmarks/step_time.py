@@ -128,6 +128,9 @@ def main():
     p.add_argument("--child", default=None)
     opts = p.parse_args()
     torch.set_num_threads(opts.threads)
+    if opts.vllm:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine; vLLM's default sizes it from free RAM
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
     with tempfile.TemporaryDirectory() as tmp:
         # vLLM's CPU attention needs a head size it has kernels for: 64 (the default hidden=256 has it too).

@@ -36,7 +36,11 @@ def main():
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--max_tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--max_model_len", type=int, default=512)
     p.add_argument("--temperature", type=float, default=1.0)
+    # float32 by default: on a CPU without native bf16 matrix instructions vLLM's default (bf16 for a float32
+    # checkpoint) is several times slower, and float32 is what `vllm_dtype="float32"` gives a CPU run.
+    p.add_argument("--dtype", default="float32", help="the engine's dtype (vLLM's own default is 'auto')")
     opts = p.parse_args()
 
     import torch
@@ -59,7 +63,7 @@ def main():
     t0 = time.perf_counter()
     llm = LLM(model=opts.model, distributed_executor_backend="external_launcher", max_num_batched_tokens=4096,
               logprobs_mode="processed_logprobs", max_logprobs=opts.k + 1, seed=0, gpu_memory_utilization=0.1,
-              max_model_len=512)
+              max_model_len=opts.max_model_len, dtype=opts.dtype)
     startup = time.perf_counter() - t0
     requests = [{"prompt_token_ids": ids} for ids in prompts]
 
@@ -89,7 +93,8 @@ def main():
     base, centered = statistics.median(times[0]), statistics.median(times[opts.k])
     tokens = opts.prompts * opts.max_tokens
     print(f"{os.path.basename(opts.model.rstrip('/'))}: {opts.prompts} prompts x {opts.max_tokens} tokens, "
-          f"{opts.repeats} alternating repeats, torch threads {torch.get_num_threads()}, engine start {startup:.1f} s\n")
+          f"{opts.repeats} alternating repeats, engine dtype {llm.llm_engine.model_config.dtype}, torch threads "
+          f"{torch.get_num_threads()}, engine start {startup:.1f} s\n")
     print("| request | median time (s) | tokens/s | ratio |")
     print("|---|---|---|---|")
     print(f"| logprobs=0 (sampled log-prob) | {base:.3f} | {tokens / base:.0f} | 1.000 |")

@@ -160,7 +160,7 @@ def test_vllm_benchmarks_run_small(tmp_path):
     model = build_tiny_model(tmp_path / "model", hidden_size=128, num_heads=2)
     env = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1")
     out = run(["benchmarks/vllm_generation.py", "--model", model, "--k", "8", "--prompts", "4", "--max_tokens", "8",
-               "--repeats", "2"], timeout=600, env=env)
+               "--repeats", "2", "--max_model_len", "64"], timeout=600, env=env)
     assert "| logprobs=0 (sampled log-prob) |" in out and "| logprobs=8 + parse_vllm_topk" in out, out
     assert "score centering's generation overhead:" in out
     out = run(["benchmarks/step_time.py", "--vllm", "--arms", "grpo_beta0.04,rpp_baseline_score_centering",
