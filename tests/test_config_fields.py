@@ -179,6 +179,10 @@ RPP_FIELDS = {
         honored={RPP: ({"use_vllm": True}, "float32"), BASE: ({"use_vllm": True}, "float32")},
         ignored={RPP: ({"use_vllm": False}, ["float32"]), BASE: ({"use_vllm": False}, ["bfloat16"])},
     ),
+    # Read by trl_rpp.grad_guard, except under fp16's gradient scaler (and DeepSpeed), which skip such steps themselves.
+    "max_consecutive_skipped_steps": dict(
+        honored={RPP: ({}, 0), BASE: ({}, 2)}, ignored={RPP: ({"fp16": True}, [0]), BASE: ({"fp16": True}, [2])},
+    ),
 }
 
 
@@ -230,7 +234,8 @@ def test_rpp_settings_an_estimator_never_reads_are_rejected(name, estimator, set
     message = str(err.value)
     assert message.startswith(f"{name}={value!r} is not supported with "), message
     # The message names the estimator, or the setting, under which the field is not read, and what is accepted.
-    context = {"score_centering_top_k": "score_centering=False", "vllm_dtype": "use_vllm=False"}.get(
+    context = {"score_centering_top_k": "score_centering=False", "vllm_dtype": "use_vllm=False",
+               "max_consecutive_skipped_steps": "fp16=True"}.get(
         name, f"advantage_estimator={estimator!r}")
     assert context in message and "accepted: " in message, message
 

@@ -39,6 +39,7 @@ GRPO_METHODS = {
     "_compute_loss": "self, model, inputs",
     "_save_checkpoint": "self, model, trial",
     "_load_optimizer_and_scheduler": "self, checkpoint",
+    "_get_grad_norm": "self, model, grad_norm=None",  # Trainer's; `GradGuardMixin` (trl_rpp.grad_guard) overrides it
     # called
     "_get_per_token_logps_and_entropies": (
         "self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, "

@@ -23,6 +23,7 @@ _RECIPES = {
 }
 _KL_LOSS_COEF = {True: 0.01, False: 0.0}
 _SCORE_CENTERING_TOP_K = 32
+_MAX_CONSECUTIVE_SKIPPED_STEPS = 5
 
 
 def _suggest(value, choices) -> str:
@@ -126,6 +127,17 @@ class RPPConfig(GRPOConfig):
             bfloat16: a float32 run then samples from a bfloat16 copy of its policy. `"float32"` samples at the
             trainer's precision; `"bfloat16"` and `"float16"` set those. In server mode, pass `--dtype` to `vllm serve`
             instead.
+
+        > Parameters that control non-finite gradients
+
+        max_consecutive_skipped_steps (`int`, *optional*, defaults to `5`):
+            How many optimizer steps in a row may be skipped because the gradient norm before clipping is NaN or
+            +/-Inf. Such a step is skipped on every process, with a `RuntimeWarning` naming it and the `skipped_steps`
+            metric: the weights and the optimizer state are left unchanged, and the step still counts toward
+            `max_steps` and the learning-rate schedule. One more non-finite step in a row raises
+            `trl_rpp.grad_guard.NonFiniteGradientError` before it is applied. `0` skips nothing: the first non-finite
+            gradient raises. Must be an integer `>= 0`. Under DeepSpeed or `fp16=True` the engine or the gradient
+            scaler skips such steps itself and this field is not read, so only `5` is accepted there.
     """
 
     advantage_estimator: str = field(
@@ -221,6 +233,16 @@ class RPPConfig(GRPOConfig):
         },
     )
 
+    max_consecutive_skipped_steps: int = field(
+        default=_MAX_CONSECUTIVE_SKIPPED_STEPS,
+        metadata={
+            "help": "How many optimizer steps in a row may be skipped because the gradient norm is NaN or +/-Inf (each "
+            "skipped on every process, with a warning and the skipped_steps metric; weights and optimizer state "
+            "unchanged). One more in a row raises NonFiniteGradientError; 0 raises at the first. Not read under "
+            "DeepSpeed or fp16, whose engine or gradient scaler skips such steps itself."
+        },
+    )
+
     # GRPO fields whose default differs here.
     loss_type: str = field(
         default="grpo",
@@ -239,11 +261,27 @@ class RPPConfig(GRPOConfig):
     def __post_init__(self):
         # Everything is checked before GRPOConfig.__post_init__ sets up devices, so a wrong config costs nothing.
         self._resolve_and_validate()
+        self._validate_skipped_steps()
         super().__post_init__()
         # After GRPOConfig has parsed `generation_kwargs` from the command line.
         self._validate_sampling()
         if self.score_centering:
             self._validate_score_centering()
+
+    def _validate_skipped_steps(self):
+        limit = self.max_consecutive_skipped_steps
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(
+                f"max_consecutive_skipped_steps={limit!r} is not supported; accepted: an integer >= 0 (0: stop at the "
+                "first non-finite gradient instead of skipping it)."
+            )
+        engine = "fp16=True" if self.fp16 else "deepspeed" if self.deepspeed else None
+        if engine and limit != _MAX_CONSECUTIVE_SKIPPED_STEPS:
+            raise ValueError(
+                f"max_consecutive_skipped_steps={limit!r} is not supported with {engine}; accepted: "
+                f"{_MAX_CONSECUTIVE_SKIPPED_STEPS} (its default). There the gradient scaler or the DeepSpeed engine "
+                "skips steps with non-finite gradients itself, and nothing reads this field."
+            )
 
     def _validate_sampling(self):
         # `generation_kwargs` override `temperature` and `do_sample=True` in TRL's generation config: greedy decoding

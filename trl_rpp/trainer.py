@@ -15,6 +15,7 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
       through GRPO's `_get_per_token_logps_and_entropies` when k1 shaping needs one), or the group baseline
     -- once per micro-batch --
     _compute_loss                      `_policy_forward`, `_loss_advantages`, `_policy_loss`, `_kl_loss`, metrics
+    _get_grad_norm                     per optimizer step, by `GradGuardMixin`: a NaN/Inf norm skips it (grad_guard)
     _save_checkpoint                   the buffered generation batch (self._buffered_inputs) first, then GRPO's
     create_model_card                  after training, on demand: `trl_rpp.model_card` instead of TRL's card text
 
@@ -44,6 +45,7 @@ from .config import RPPConfig
 from .core import global_masked_normalize, group_centered_rewards, kl_k1, masked_response_mean, reinforce_pp_returns
 from .core import response_mean_k2_loss, response_mean_ppo_loss
 from .distributed import check_normalization_group
+from .grad_guard import GradGuardMixin
 from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_func
 from .sampling import SamplerTopKCapture, capturing_generate, parse_vllm_topk
@@ -53,7 +55,7 @@ from .trainer_utils import empty_batch_message, masked_max, reduce_across_proces
 from .vllm_engine import use_cpu_weight_sync, vllm_engine_args
 
 
-class RPPTrainer(GRPOTrainer):
+class RPPTrainer(GradGuardMixin, GRPOTrainer):
     """REINFORCE++ / REINFORCE++-baseline trainer (arXiv:2501.03262, v9 main equations).
 
     Use it exactly like [`~trl.GRPOTrainer`], with an [`RPPConfig`]. Everything GRPO does (generation, reward
@@ -103,6 +105,7 @@ class RPPTrainer(GRPOTrainer):
     11. **Inputs.** `args` must be an `RPPConfig` (`TypeError`); a train or eval dataset without a `prompt` column
        (unless an `environment_factory` is given) or an empty training dataset raises a `ValueError` before any
        model is loaded.
+    12. **Non-finite gradients.** A NaN/Inf gradient norm skips the optimizer step on every process (`grad_guard`).
     """
 
     _tag_names = ["trl", "rpp", "reinforce-plus-plus"]
