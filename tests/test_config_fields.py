@@ -170,6 +170,8 @@ RPP_FIELDS = {
         ignored={RPP: ({"use_kl_loss": False}, [0.01]), BASE: ({"use_kl_loss": False}, [0.01])},
     ),
     "nonfinite_rewards": dict(honored={RPP: ({}, "unscorable"), BASE: ({}, "unscorable")}),
+    "reward_timeout": dict(honored={RPP: ({}, 0.5), BASE: ({}, 0.5)}),  # both estimators call reward functions
+    "reward_errors": dict(honored={RPP: ({}, "unscorable"), BASE: ({}, "unscorable")}),
     "score_centering": dict(honored={RPP: ({}, True), BASE: ({}, True)}),
     "score_centering_top_k": dict(
         honored={RPP: ({"score_centering": True}, 8), BASE: ({"score_centering": True}, 8)},

@@ -74,8 +74,17 @@ def grpo_args(tmp_path, **kw):
     return GRPOConfig(**base)
 
 
-def reward_keys(trainer):
-    return sorted({k for h in trainer.state.log_history for k in h if k.startswith("rewards/")})
+FAULT_KEYS = ("/errors", "/timeouts")  # RPPTrainer's counts of failed calls (trl_rpp.reward_faults); GRPO has none
+
+
+def reward_keys(trainer, faults=False):
+    """The `rewards/*` keys a run logged: TRL's (`mean`, `std`), or with `faults` RPPTrainer's failed-call counts."""
+    keys = {k for h in trainer.state.log_history for k in h if k.startswith("rewards/")}
+    return sorted(k for k in keys if k.endswith(FAULT_KEYS) == faults)
+
+
+def fault_keys(names):
+    return sorted(f"rewards/{n}{suffix}" for n in names for suffix in FAULT_KEYS)
 
 
 @pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
@@ -91,6 +100,7 @@ def test_every_reward_form_is_named_and_logged_as_grpo_does(tmp_path, tiny_model
     assert rpp.reward_func_names == grpo.reward_func_names
     assert reward_keys(rpp) == reward_keys(grpo)
     assert len(reward_keys(rpp)) == 2 * len(NAMES)  # mean and std for each, none merged
+    assert reward_keys(rpp, faults=True) == fault_keys(NAMES) and not reward_keys(grpo, faults=True)
     # The async forms really ran (an un-awaited coroutine would have crashed or given no number).
     rewards = rpp.captured_rewards[0]
     assert torch.isfinite(rewards).all()
@@ -119,6 +129,7 @@ def test_reward_model_is_named_as_grpo_names_it(tmp_path, tiny_model):
     grpo.train()
     rpp.train()
     assert reward_keys(rpp) == reward_keys(grpo)
+    assert reward_keys(rpp, faults=True) == fault_keys(["length_bonus"])  # reward models are called by TRL directly
 
 
 # ---------------------------------------------------------------------------------------------------------------

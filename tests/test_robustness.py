@@ -9,6 +9,7 @@ from transformers import TrainerCallback
 
 from trainer_helpers import CaptureTrainer, make_args
 from trl_rpp import RPPConfig, RPPTrainer
+from trl_rpp.reward_faults import RewardFunctionError
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
 EST = ["reinforce_plus_plus", "reinforce_plus_plus_baseline"]
@@ -88,8 +89,11 @@ def test_wrong_length_and_raising_reward_functions(tmp_path, tiny_model):
     def broken_reward(prompts, completions, **kw):
         raise Boom("grader crashed on purpose")
 
-    with pytest.raises(Boom, match="grader crashed on purpose"):  # never swallowed
+    # Never swallowed: named, with the step, and chained (`reward_errors="raise"`; tests/test_reward_faults.py).
+    with pytest.raises(RewardFunctionError, match=r"^reward function 'broken_reward' raised Boom\('grader crashed on "
+                       r"purpose'\) at training step 1\. ") as err:
         build(tmp_path, tiny_model, broken_reward).train()
+    assert isinstance(err.value.__cause__, Boom)
 
 
 class NaNWatch(TrainerCallback):

@@ -13,6 +13,7 @@ from trl import GRPOConfig
 ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 KL_LOSS_TYPES = ("k1", "k2")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+REWARD_ERRORS = ("raise", "unscorable")
 
 # Per-estimator defaults of the REINFORCE++ recipes (`docs/numerics.md`) for the fields left at `None`.
 # `kl_loss_coef` follows `use_kl_loss` instead (`_KL_LOSS_COEF`): 0.0 wherever the KL loss is off, so that the resolved
@@ -106,6 +107,18 @@ class RPPConfig(GRPOConfig):
             the value like `None`: the completion gets zero advantage and leaves its group's baseline and the
             normalization population. A value that is not a number (a string, a list) always raises a `ValueError`
             naming the function, the row and the type.
+        reward_timeout (`float`, *optional*):
+            Time limit in seconds for one call of a reward function, sync or async, on each process. `None` (the
+            default) sets no limit. A call past the limit is a failed call (`reward_errors`). Async functions are
+            cancelled on TRL's event loop after the limit. A sync function then runs in a daemon worker thread, one
+            per call: after the limit the trainer stops waiting, but the hung call keeps running in the background.
+            Must be `None` or a finite float `> 0`.
+        reward_errors (`str`, *optional*, defaults to `"raise"`):
+            What to do when a call of a reward function raises or runs past `reward_timeout`. `"raise"` (as in GRPO)
+            raises a `RewardFunctionError` that names the function, the training step and the exception (chained),
+            on every process alike, so no process is left waiting for another. `"unscorable"` treats the call's
+            values as missing (`None` for every row of the call) and goes on; `rewards/<name>/errors` and
+            `rewards/<name>/timeouts` count the failed calls of each step. See `docs/robustness.md`.
 
         > Parameters that control score centering
 
@@ -205,6 +218,24 @@ class RPPConfig(GRPOConfig):
             "row; 'unscorable' treats the value like None (zero advantage, left out of the group baseline and of the "
             "normalization population). A value that is not a number always raises.",
             "choices": ["error", "unscorable"],
+        },
+    )
+    reward_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Time limit in seconds for one call of a reward function (sync or async), on each process; None "
+            "sets no limit. A call past the limit is a failed call (reward_errors). A sync function then runs in a "
+            "worker thread: after the limit the trainer stops waiting, but the hung call keeps running in the "
+            "background. Must be None or a finite float > 0."
+        },
+    )
+    reward_errors: str = field(
+        default="raise",
+        metadata={
+            "help": "What to do when a reward function call raises or runs past reward_timeout: 'raise' (as in GRPO) "
+            "raises a RewardFunctionError naming the function, the step and the exception, on every process alike; "
+            "'unscorable' treats that call's values as None and goes on, counted in rewards/<name>/errors|timeouts.",
+            "choices": list(REWARD_ERRORS),
         },
     )
     score_centering: bool = field(
@@ -357,6 +388,14 @@ class RPPConfig(GRPOConfig):
                 f"nonfinite_rewards={self.nonfinite_rewards!r} is not supported; accepted values are 'error', "
                 f"'unscorable'.{_suggest(self.nonfinite_rewards, ('error', 'unscorable'))}"
             )
+        if self.reward_errors not in REWARD_ERRORS:
+            raise ValueError(
+                f"reward_errors={self.reward_errors!r} is not supported; accepted values are 'raise', 'unscorable'."
+                f"{_suggest(self.reward_errors, REWARD_ERRORS)}"
+            )
+        if self.reward_timeout is not None and not _positive_finite(self.reward_timeout):
+            raise ValueError(f"reward_timeout={self.reward_timeout!r} is not supported; accepted: None (no limit) or "
+                             "a finite float > 0, in seconds.")
         if self.vllm_dtype not in VLLM_DTYPES:
             raise ValueError(
                 f"vllm_dtype={self.vllm_dtype!r} is not supported; accepted values are "

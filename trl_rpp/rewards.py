@@ -1,4 +1,5 @@
-"""Input checks around reward functions and datasets: errors that name what is wrong, before compute is spent."""
+"""Input checks around reward functions and datasets: errors that name what is wrong, before compute is spent.
+Failed and hung reward calls: `trl_rpp.reward_faults`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from collections.abc import Iterable
 
 import torch
 from trl.trainer.utils import get_callable_name, is_async_callable
+
+from .reward_faults import RewardFaults
+from .trainer_utils import as_list
 
 
 def check_prompt_column(dataset, name: str) -> None:
@@ -107,10 +111,14 @@ def _checked(name, outputs, completions, policy):
     )
 
 
-def guard_reward_func(func, policy: str):
+def guard_reward_func(func, policy: str, faults: RewardFaults | None = None):
     """Wrap a callable reward function so that its rewards are checked as the trainer will hold them (float32):
     a value that is not a number raises a `ValueError` naming the function, the row and the type; NaN/Inf (also
     after the float32 conversion) raise (policy `"error"`) or become None (`"unscorable"`).
+
+    With `faults` (the trainer's `RewardFaults`), a call that raises, runs past the time limit, or fails these checks
+    returns None for each row instead of raising, and is recorded there: `RewardFaults.settled` then logs it, or
+    raises on every process alike (`trl_rpp.reward_faults`). Without it, errors propagate from the call.
 
     Reward models (`nn.Module`) and model ids (`str`) are returned unchanged; see `check_module_rewards`. The wrapper
     carries the name TRL gives the original (`get_callable_name`: a partial's function, a callable instance's class),
@@ -120,20 +128,39 @@ def guard_reward_func(func, policy: str):
     if isinstance(func, (str, torch.nn.Module)) or not callable(func):
         return func
     name = get_callable_name(func)
+
+    def check(kwargs):
+        return lambda outputs: _checked(name, outputs, kwargs.get("completions"), policy)
+
     if is_async_callable(func):
 
         async def guarded(*args, **kwargs):
-            return _checked(name, await func(*args, **kwargs), kwargs.get("completions"), policy)
+            if faults is not None:
+                return await faults.acall(guarded, name, func, args, kwargs, check(kwargs))
+            return check(kwargs)(await func(*args, **kwargs))
 
     else:
 
         def guarded(*args, **kwargs):
-            return _checked(name, func(*args, **kwargs), kwargs.get("completions"), policy)
+            if faults is not None:
+                return faults.call(guarded, name, func, args, kwargs, check(kwargs))
+            return check(kwargs)(func(*args, **kwargs))
 
     # `updated=()`: a callable instance's attributes stay on the instance, reachable through `__wrapped__`.
     functools.update_wrapper(guarded, func, updated=())
     guarded.__name__ = guarded.__qualname__ = name
+    if faults is not None:
+        faults.register(guarded)
     return guarded
+
+
+def guard_reward_funcs(reward_funcs, args):
+    """`RPPTrainer`'s reward functions, each guarded (`guard_reward_func`) with the config's `nonfinite_rewards`,
+    `reward_timeout` and `reward_errors`, and the `RewardFaults` that records their failed calls."""
+    faults = RewardFaults(args.reward_timeout, args.reward_errors)
+    if reward_funcs is None:
+        return None, faults
+    return [guard_reward_func(f, args.nonfinite_rewards, faults) for f in as_list(reward_funcs)], faults
 
 
 def check_module_rewards(rewards_per_func: torch.Tensor, columns, names, policy: str) -> torch.Tensor:

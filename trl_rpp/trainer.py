@@ -47,10 +47,10 @@ from .core import response_mean_k2_loss, response_mean_ppo_loss
 from .distributed import check_normalization_group
 from .grad_guard import GradGuardMixin
 from .model_card import REINFORCE_PP_PAPER, build_model_card
-from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_func
+from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_funcs
 from .sampling import SamplerTopKCapture, capturing_generate, parse_vllm_topk
 from .score_centering import sampled_and_head_logps, score_centered_ppo_loss, score_centering_metric_sums
-from .trainer_utils import FORWARD_KEYS, PolicyForward, as_list, borrowed_beta, check_score_centering_support
+from .trainer_utils import FORWARD_KEYS, PolicyForward, borrowed_beta, check_score_centering_support
 from .trainer_utils import empty_batch_message, masked_max, reduce_across_processes, token_mask
 from .vllm_engine import use_cpu_weight_sync, vllm_engine_args
 
@@ -106,6 +106,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
        (unless an `environment_factory` is given) or an empty training dataset raises a `ValueError` before any
        model is loaded.
     12. **Non-finite gradients.** A NaN/Inf gradient norm skips the optimizer step on every process (`grad_guard`).
+    13. **Failed reward calls.** A reward function that raises or runs past `reward_timeout` raises the same
+       `RewardFunctionError` on every process (naming it and the step), or its rows are unscorable (`reward_errors`).
     """
 
     _tag_names = ["trl", "rpp", "reinforce-plus-plus"]
@@ -125,8 +127,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             check_prompt_column(train_dataset, "train_dataset")
             check_prompt_column(eval_dataset, "eval_dataset")
         check_dataset_not_empty(train_dataset, "train_dataset")
-        if reward_funcs is not None:
-            reward_funcs = [guard_reward_func(f, args.nonfinite_rewards) for f in as_list(reward_funcs)]
+        reward_funcs, self._rpp_reward_faults = guard_reward_funcs(reward_funcs, args)  # trl_rpp.reward_faults
         kwargs.update(train_dataset=train_dataset, eval_dataset=eval_dataset)
         self._rpp_needs_ref = args.kl_coef != 0.0 or args.use_kl_loss
         k = args.score_centering_top_k
@@ -198,7 +199,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # Keep the gathered raw rewards [B_global, num_reward_funcs]: GRPO normalizes them per group afterwards.
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        with self._rpp_reward_faults.settled(self):  # after TRL's gather: failed calls logged, or raised everywhere
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         # Callable reward functions are guarded where they return (see `guard_reward_func`); reward models here.
         module_columns = [i for i, f in enumerate(self.reward_funcs) if isinstance(f, torch.nn.Module)]
         if module_columns:

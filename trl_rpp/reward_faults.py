@@ -1,0 +1,267 @@
+"""Reward functions that raise or hang: a time limit per call, a policy per failed call, and one agreement across
+processes, so that a failed call on one process never leaves another waiting in TRL's rewards gather.
+
+How a failure travels. A guarded reward function (`trl_rpp.rewards.guard_reward_func`) never raises out of TRL's
+`GRPOTrainer._calculate_rewards`: a call that raises, runs past `reward_timeout`, or returns values that fail the
+reward checks is recorded in the trainer's `RewardFaults` and returns `None` for each of its rows. TRL then gathers
+the rewards table on every process as usual. Right after it, `RewardFaults.settled` gathers each process's failure
+counts (one small all-gather and one host read per generation batch; neither with a single process), so every
+process holds the same counts: they are logged as `rewards/<name>/errors` and `rewards/<name>/timeouts`. If a failed
+call must stop the run (`reward_errors="raise"`, or values that fail the checks, which always raise), every process
+raises the same error, built from the first failure in process order, after one more all-gather of its description
+(on this path only). Every process thus takes part in the same collectives: none is left waiting in one.
+
+Timeouts. An async function is awaited on TRL's event loop through `asyncio.wait` with the limit, then cancelled; one
+that blocks the loop itself (a `time.sleep` inside `async def`) cannot be interrupted there, and its result counts as
+timed out when it arrives after the limit. A sync function cannot be stopped from inside its own thread, so with a
+limit it runs in a daemon worker thread (one per call); after the limit the trainer stops waiting, and the hung call
+keeps running in the background until it returns (its result is then dropped). Without a limit, sync functions run
+in the calling thread, exactly as in `GRPOTrainer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+# Failure kinds. "invalid": values that fail the reward checks (`trl_rpp.rewards`); they raise under either policy.
+ERROR, TIMEOUT, INVALID = "error", "timeout", "invalid"
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised or timed out under `reward_errors="raise"`. Raised on every process alike; on the
+    process where the call failed it is chained (`__cause__`) to the original exception, or to a `TimeoutError`.
+
+    Attributes: `func_name` (TRL's name of the function), `kind` (`"error"` or `"timeout"`), `step` (the training
+    step, numbered as in the logs), `mode` (`"train"` or `"eval"`), `process_index` (where the call failed)."""
+
+    def __init__(self, message, func_name, kind, step, mode, process_index):
+        super().__init__(message)
+        self.func_name, self.kind, self.step, self.mode, self.process_index = func_name, kind, step, mode, process_index
+
+
+@dataclass
+class Failure:
+    """One failed call on this process: which guarded function (`key`, its wrapper), how, and the exception."""
+
+    key: object
+    kind: str
+    exception: BaseException
+
+
+def detail(failure: Failure) -> str:
+    """The exception that a call raised, as `Name('message')`; a timeout's or a check's message as it is."""
+    e = failure.exception
+    if failure.kind != ERROR:
+        return str(e)
+    return f"{type(e).__name__}({str(e)!r})" if str(e) else type(e).__name__
+
+
+def where(mode: str, global_step: int) -> str:
+    """The step a failed call belongs to, numbered as the logs number it: a training generation batch is scored
+    while `global_step` optimizer steps are done, for step `global_step + 1`."""
+    return f"training step {global_step + 1}" if mode == "train" else f"evaluation after step {global_step}"
+
+
+def failure_message(name: str, kind: str, detail: str, at: str, process: int, num_processes: int) -> str:
+    """What a failed call is called in errors and warnings, the same text on every process."""
+    on = f" on process {process} of {num_processes}" if num_processes > 1 else ""
+    did = f"raised {detail}" if kind == ERROR else f"timed out ({detail})"
+    return f"reward function {name!r} {did} at {at}{on}"
+
+
+def fault_counts(failures, keys, policy: str):
+    """Per guarded column (`keys`, in column order): ``[errors, timeouts, must_raise]`` counts of this process's
+    failed calls. A call must raise under `policy == "raise"`, and always when its values failed the checks."""
+    counts = [[0] * len(keys) for _ in range(3)]
+    for f in failures:
+        c = next(i for i, k in enumerate(keys) if k is f.key)
+        if f.kind in (ERROR, TIMEOUT):
+            counts[0 if f.kind == ERROR else 1][c] += 1
+        if f.kind == INVALID or policy == "raise":
+            counts[2][c] += 1
+    return counts
+
+
+class _TimedOut(Exception):
+    pass
+
+
+def call_in_thread(func, args, kwargs, timeout: float, name: str):
+    """`func(*args, **kwargs)` in a daemon thread; its value, or its exception re-raised here, or `_TimedOut` after
+    `timeout` seconds, leaving the thread running. The caller's grad mode and CUDA device (both per thread in torch)
+    are carried over, so the function sees what it would see in the caller's thread."""
+    grad = torch.is_grad_enabled()
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    box, done = {}, threading.Event()
+
+    def run():
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            with torch.set_grad_enabled(grad):
+                box["value"] = func(*args, **kwargs)
+        except BaseException as e:  # handed to the caller, which decides
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"trl_rpp-reward-{name}", daemon=True).start()
+    if not done.wait(timeout):
+        raise _TimedOut
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _retrieve(task):
+    # A cancelled call that ignores the cancellation and fails later: no "exception was never retrieved" log.
+    if not task.cancelled():
+        task.exception()
+
+
+def _rows(kwargs) -> int:
+    rows = kwargs.get("completions", kwargs.get("prompts"))
+    return len(rows) if rows is not None else 0
+
+
+class RewardFaults:
+    """The trainer's record of failed reward calls, and the policy for them (`RPPConfig.reward_timeout`,
+    `RPPConfig.reward_errors`). `call`/`acall` run one guarded call; `settled` wraps TRL's `_calculate_rewards`."""
+
+    def __init__(self, timeout: float | None, policy: str):
+        self.timeout, self.policy = timeout, policy
+        self._guarded, self._failures = [], []
+        self._lock = threading.Lock()  # async calls record from TRL's event-loop thread
+
+    def register(self, key) -> None:
+        self._guarded.append(key)
+
+    def _failed(self, key, kind, exception, rows):
+        with self._lock:
+            self._failures.append(Failure(key, kind, exception))
+        return [None] * rows
+
+    def _timeout_error(self, seconds=None):
+        if seconds is None:
+            return TimeoutError(f"no result within reward_timeout={self.timeout} s")
+        return TimeoutError(f"returned after {seconds:.2f} s, beyond reward_timeout={self.timeout} s: it blocked the "
+                            "event loop, so it could not be interrupted")
+
+    def call(self, key, name, func, args, kwargs, check):
+        """One sync call: `check(values)` on success, else `None` per row and the failure recorded."""
+        try:
+            if self.timeout is None:
+                out = func(*args, **kwargs)  # in the calling thread, exactly as GRPOTrainer calls it
+            else:
+                out = call_in_thread(func, args, kwargs, self.timeout, name)
+        except _TimedOut:
+            return self._failed(key, TIMEOUT, self._timeout_error(), _rows(kwargs))
+        except Exception as e:
+            return self._failed(key, ERROR, e, _rows(kwargs))
+        return self._check(key, name, check, out, kwargs)
+
+    async def acall(self, key, name, func, args, kwargs, check):
+        """One async call on TRL's event loop, cancelled after the limit; as `call` otherwise."""
+        start = time.monotonic()
+        try:
+            if self.timeout is None:
+                out = await func(*args, **kwargs)
+            else:
+                task = asyncio.ensure_future(func(*args, **kwargs))
+                done, _ = await asyncio.wait({task}, timeout=self.timeout)
+                if not done:
+                    task.cancel()
+                    task.add_done_callback(_retrieve)
+                    return self._failed(key, TIMEOUT, self._timeout_error(), _rows(kwargs))
+                out = task.result()  # the function's own exception (its own TimeoutError too) is an error
+                elapsed = time.monotonic() - start
+                if elapsed > self.timeout:  # it blocked the event loop past the limit: too late all the same
+                    return self._failed(key, TIMEOUT, self._timeout_error(elapsed), _rows(kwargs))
+        except Exception as e:
+            return self._failed(key, ERROR, e, _rows(kwargs))
+        return self._check(key, name, check, out, kwargs)
+
+    def _check(self, key, name, check, out, kwargs):
+        try:
+            values = check(out)
+            if len(values) != _rows(kwargs):  # TRL's own check, here so that it too raises on every process alike
+                raise ValueError(
+                    f"The reward function '{name}' returned {len(values)} rewards, but {_rows(kwargs)} were expected "
+                    "(one per prompt-completion pair). Make sure the reward function returns exactly one reward per "
+                    "completion."
+                )
+            return values
+        except ValueError as e:  # values that fail the reward checks: raised on every process in `settled`
+            return self._failed(key, INVALID, e, _rows(kwargs))
+
+    @contextlib.contextmanager
+    def settled(self, trainer):
+        """Around TRL's `_calculate_rewards` (which ends in the rewards gather): afterwards, every process learns of
+        every failed call, logs the counts, and either warns about its own failures or raises the same error."""
+        with self._lock:
+            self._failures = []  # left over if TRL raised in the previous call
+        yield
+        with self._lock:
+            failures, self._failures = self._failures, []
+        guarded = [(f, n) for f, n in zip(trainer.reward_funcs, trainer.reward_func_names)
+                   if any(f is g for g in self._guarded)]
+        if not guarded:
+            return
+        keys, names = [f for f, _ in guarded], [n for _, n in guarded]
+        acc = trainer.accelerator
+        counts = fault_counts(failures, keys, self.policy)
+        if acc.num_processes > 1:
+            local = torch.tensor([counts], dtype=torch.long, device=acc.device)
+            counts_per_process = acc.gather(local).tolist()  # [P][3][F]: the same on every process
+        else:
+            counts_per_process = [counts]
+        mode = "train" if trainer.model.training else "eval"
+        at = where(mode, trainer.state.global_step)
+        p, n = acc.process_index, acc.num_processes
+        if any(sum(c[2]) for c in counts_per_process):
+            self._raise(trainer, failures, keys, names, at, mode, p, n)
+        metrics = trainer._metrics[mode]
+        for c, name in enumerate(names):
+            metrics[f"rewards/{name}/errors"].append(float(sum(x[0][c] for x in counts_per_process)))
+            metrics[f"rewards/{name}/timeouts"].append(float(sum(x[1][c] for x in counts_per_process)))
+        for f in failures:
+            name = names[next(i for i, k in enumerate(keys) if k is f.key)]
+            text = failure_message(name, f.kind, detail(f), at, p, n)
+            warnings.warn(f"{text}; reward_errors='unscorable': the rows of this call are unscorable (None), as if "
+                          "it had returned None for each.", RuntimeWarning, stacklevel=2)
+
+    def _raise(self, trainer, failures, keys, names, at, mode, process, num_processes):
+        """Every process raises the same error: that of the first failure that must raise, in process order."""
+        must = [f for f in failures if f.kind == INVALID or self.policy == "raise"]
+        mine = None
+        if must:
+            f = must[0]
+            column = next(i for i, k in enumerate(keys) if k is f.key)
+            mine = (process, column, f.kind, detail(f))
+        if num_processes > 1:
+            from accelerate.utils import gather_object
+
+            first = next(d for d in gather_object([mine]) if d is not None)
+        else:
+            first = mine
+        origin, column, kind, text = first
+        cause = must[0].exception if origin == process else None
+        if kind == INVALID:  # the check's own message, which names the function and the row
+            if cause is not None:
+                raise cause
+            raise ValueError(text)
+        message = failure_message(names[column], kind, text, at, origin, num_processes) + (
+            ". reward_errors='raise' stops the run at a failed call; set reward_errors='unscorable' to treat the rows "
+            "of a failed call as unscorable (None) and go on"
+        ) + (", or raise reward_timeout." if kind == TIMEOUT else ".")
+        error = RewardFunctionError(message, names[column], kind, trainer.state.global_step + (mode == "train"), mode,
+                                    origin)
+        raise error from cause
+
