@@ -22,7 +22,7 @@ from trl_rpp.testing.tiny import copy_task_dataset
 HERE = os.path.dirname(os.path.abspath(__file__))
 CPU = dict(output_dir="/tmp/trl_rpp_reward_faults", report_to="none", use_cpu=True, bf16=False)
 LIMIT = 0.3  # seconds: the reward_timeout of these tests
-HANG = 10.0  # seconds a hung call sleeps: far past the limit, and far longer than a run here takes
+HANG = 60.0  # seconds a hung call sleeps: far past the limit, and far longer than a step takes on a loaded machine
 # One reward call per optimizer step (one micro-batch per generation batch of 4 completions, one group).
 ONE_CALL_PER_STEP = dict(per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=1,
                          steps_per_generation=1, reward_weights=None)  # fmt: skip
