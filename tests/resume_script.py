@@ -99,6 +99,7 @@ def main():
     ap.add_argument("--save_steps", type=int, default=3)
     ap.add_argument("--kill_at", choices=sorted(KILL_POINTS), default=None)
     ap.add_argument("--kill_step", type=int, default=None, help="the checkpoint whose write --kill_at interrupts")
+    ap.add_argument("--resume_from", default=None, help="resume from this checkpoint folder (--resume: True)")
     a = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -133,9 +134,10 @@ def main():
     trainer = RPPTrainer(model=a.model, reward_funcs=reward, args=args, train_dataset=copy_task_dataset(256))
     if a.kill_at is not None:
         install_kill(a.kill_at, a.kill_step, trainer)
-    trainer.train(resume_from_checkpoint=True if a.resume else None)
-    with open(os.path.join(a.output_dir, "log_history.json"), "w") as f:
-        json.dump(dict(log_history=trainer.state.log_history, steps_run_here=calls), f)
+    trainer.train(resume_from_checkpoint=a.resume_from or (True if a.resume else None))
+    if trainer.accelerator.is_main_process:
+        with open(os.path.join(a.output_dir, "log_history.json"), "w") as f:
+            json.dump(dict(log_history=trainer.state.log_history, steps_run_here=calls), f)
 
 
 if __name__ == "__main__":

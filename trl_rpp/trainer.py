@@ -5,7 +5,8 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
     __init__                           GRPO's inside `borrowed_beta` (so that it builds the reference model) and
                                        `vllm_engine_args`, then asserts the reference exists, sets the CPU engine's
                                        weight sync and checks score-centering support
-    train                              on resume: refuses an incomplete checkpoint before Trainer loads it, then GRPO's
+    train                              on resume: the newest complete checkpoint (True) or refuses a named torn one,
+                                       then GRPO's
     _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step
     -- once per generation batch (GRPO's `_prepare_inputs`) --
     _generate_and_score_completions    GRPO's inside `borrowed_beta` (reference log-probs), which calls:
@@ -34,12 +35,12 @@ import warnings
 
 import torch
 from accelerate.utils import is_peft_model
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 
-from .checkpoint import buffer_needed, check_resumable, load_generation_buffer, save_generation_buffer
+from .checkpoint import buffer_needed, load_generation_buffer, resolve_resume_checkpoint, save_generation_buffer
 from .config import RPPConfig
 from .core import global_masked_normalize, group_centered_rewards, kl_k1, masked_response_mean, reinforce_pp_returns
 from .core import response_mean_k2_loss, response_mean_ppo_loss
@@ -93,8 +94,8 @@ class RPPTrainer(GRPOTrainer):
        metrics: `score_centering/*`.
     8. **Checkpoints.** With `steps_per_generation > 1` or `num_iterations > 1` a checkpoint can fall inside a
        generation batch: the buffered batch is saved with it and a resumed run trains on it (GRPO samples a new
-       one); a checkpoint whose write was interrupted is refused, naming the file, before `Trainer` loads it
-       (`trl_rpp.checkpoint`).
+       one). An incomplete checkpoint is refused, naming the file, before `Trainer` loads it; with
+       `resume_from_checkpoint=True` it is skipped, with a warning, for the newest complete one (`trl_rpp.checkpoint`).
     9. **Parallelism.** Tensor, context and sequence parallelism (`tp_size`, `cp_size` or `sp_size` > 1) raise a
        `ValueError` at construction: the normalization counts every process's tokens once (`trl_rpp.distributed`).
     10. **Non-finite rewards.** NaN or +/-Inf from a reward function or model (or a number beyond float32) raises a
@@ -163,13 +164,8 @@ class RPPTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        folder = resume_from_checkpoint
-        if folder is True and os.path.isdir(self.args.output_dir):
-            folder = get_last_checkpoint(self.args.output_dir)  # what Trainer resolves True to
-        if isinstance(folder, (str, os.PathLike)):
-            # Before Trainer loads anything: a half-written checkpoint fails here with the file named.
-            check_resumable(os.fspath(folder), self.accelerator.process_index, self.args.gradient_accumulation_steps,
-                            self.args.steps_per_generation, self.num_iterations)
+        # Before Trainer loads anything: True skips torn checkpoints (with a warning), a named torn one is refused.
+        resume_from_checkpoint = resolve_resume_checkpoint(self, resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
