@@ -179,6 +179,7 @@ RPP_FIELDS = {
         honored={RPP: ({"use_vllm": True}, "float32"), BASE: ({"use_vllm": True}, "float32")},
         ignored={RPP: ({"use_vllm": False}, ["float32"]), BASE: ({"use_vllm": False}, ["bfloat16"])},
     ),
+    "preemption_signals": dict(honored={RPP: ({}, "SIGTERM"), BASE: ({}, "")}),  # read by train() (preemption.py)
 }
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .preemption import parse_preemption_signals
+
 ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 KL_LOSS_TYPES = ("k1", "k2")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -126,6 +128,14 @@ class RPPConfig(GRPOConfig):
             bfloat16: a float32 run then samples from a bfloat16 copy of its policy. `"float32"` samples at the
             trainer's precision; `"bfloat16"` and `"float16"` set those. In server mode, pass `--dtype` to `vllm serve`
             instead.
+
+        > Parameters that control preemption
+
+        preemption_signals (`str`, *optional*, defaults to `"SIGTERM,SIGUSR1"`):
+            Comma-separated signals that stop training gracefully (`trl_rpp.preemption`, `docs/robustness.md`): the
+            optimizer step in progress finishes, every process saves the same complete checkpoint, and `train` exits
+            with status 75. Accepted names: `"SIGTERM"` (sent by SLURM and Kubernetes before they stop a job),
+            `"SIGUSR1"` (SLURM's `--signal`), `"SIGUSR2"`. `""` leaves every signal to its previous handler.
     """
 
     advantage_estimator: str = field(
@@ -218,6 +228,15 @@ class RPPConfig(GRPOConfig):
             "choice: the checkpoint's dtype, with float32 checkpoints downcast to bfloat16. 'float32' samples at the "
             "trainer's precision. In server mode, pass --dtype to `vllm serve` instead.",
             "choices": list(VLLM_DTYPES),
+        },
+    )
+
+    preemption_signals: str = field(
+        default="SIGTERM,SIGUSR1",
+        metadata={
+            "help": "Comma-separated signals that stop training gracefully: the optimizer step in progress finishes, "
+            "every process saves the same complete checkpoint, and train() exits with status 75. Accepted: SIGTERM, "
+            "SIGUSR1, SIGUSR2; '' leaves every signal to its previous handler."
         },
     )
 
@@ -334,6 +353,7 @@ class RPPConfig(GRPOConfig):
                 f"vllm_dtype={self.vllm_dtype!r} is not supported with vllm_mode={self.vllm_mode!r}; accepted: 'auto'. "
                 "A vLLM server takes its dtype from `vllm serve --dtype`."
             )
+        parse_preemption_signals(self.preemption_signals)  # ValueError naming the field and the accepted names
         if not self.normalize_advantages:
             reject("normalize_advantages", "True", "Both estimators are defined with global advantage normalization.")
         if not _real(self.gamma) or not 0.0 <= self.gamma <= 1.0:

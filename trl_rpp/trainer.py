@@ -6,7 +6,7 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
                                        `vllm_engine_args`, then asserts the reference exists, sets the CPU engine's
                                        weight sync and checks score-centering support
     train                              on resume: the newest complete checkpoint (True) or refuses a named torn one,
-                                       then GRPO's
+                                       then GRPO's, under the preemption signal handlers (`trl_rpp.preemption`)
     _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step
     -- once per generation batch (GRPO's `_prepare_inputs`) --
     _generate_and_score_completions    GRPO's inside `borrowed_beta` (reference log-probs), which calls:
@@ -16,6 +16,7 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
       through GRPO's `_get_per_token_logps_and_entropies` when k1 shaping needs one), or the group baseline
     -- once per micro-batch --
     _compute_loss                      `_policy_forward`, `_loss_advantages`, `_policy_loss`, `_kl_loss`, metrics
+                                       (whose gather carries the preemption flag)
     _save_checkpoint                   the buffered generation batch (self._buffered_inputs) first, then GRPO's
     create_model_card                  after training, on demand: `trl_rpp.model_card` instead of TRL's card text
 
@@ -46,6 +47,7 @@ from .core import global_masked_normalize, group_centered_rewards, kl_k1, masked
 from .core import response_mean_k2_loss, response_mean_ppo_loss
 from .distributed import check_normalization_group
 from .model_card import REINFORCE_PP_PAPER, build_model_card
+from .preemption import Preemption
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_func
 from .sampling import SamplerTopKCapture, capturing_generate, parse_vllm_topk
 from .score_centering import sampled_and_head_logps, score_centered_ppo_loss, score_centering_metric_sums
@@ -96,6 +98,7 @@ class RPPTrainer(GRPOTrainer):
        generation batch: the buffered batch is saved with it and a resumed run trains on it (GRPO samples a new
        one). An incomplete checkpoint is refused, naming the file, before `Trainer` loads it; with
        `resume_from_checkpoint=True` it is skipped, with a warning, for the newest complete one (`trl_rpp.checkpoint`).
+       SIGTERM or SIGUSR1 finish the optimizer step, save a checkpoint and exit with status 75 (`trl_rpp.preemption`).
     9. **Parallelism.** Tensor, context and sequence parallelism (`tp_size`, `cp_size` or `sp_size` > 1) raise a
        `ValueError` at construction: the normalization counts every process's tokens once (`trl_rpp.distributed`).
     10. **Non-finite rewards.** NaN or +/-Inf from a reward function or model (or a number beyond float32) raises a
@@ -132,6 +135,7 @@ class RPPTrainer(GRPOTrainer):
         with borrowed_beta(args, self._rpp_needs_ref), vllm_engine_args(vllm_logprobs, args.vllm_dtype):
             super().__init__(model, reward_funcs, args, **kwargs)
         self.beta = 0.0
+        self._rpp_preemption = Preemption(self, args.preemption_signals)
         check_normalization_group(self.accelerator.parallelism_config)
         if self._rpp_needs_ref and self.ref_model is None and not is_peft_model(self.model):
             raise RuntimeError(
@@ -166,7 +170,8 @@ class RPPTrainer(GRPOTrainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # Before Trainer loads anything: True skips torn checkpoints (with a warning), a named torn one is refused.
         resume_from_checkpoint = resolve_resume_checkpoint(self, resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        with self._rpp_preemption:  # SIGTERM/SIGUSR1: finish the step, save, exit 75 (`trl_rpp.preemption`)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
         if self._buffered_inputs is not None:
@@ -430,7 +435,9 @@ class RPPTrainer(GRPOTrainer):
                 logps, fwd.head_logps, inputs["sampler_head_logps"], inputs["sampler_per_token_logps"], mask
             )
         per_token.update(sc_per_token)
-        v = reduce_across_processes(self.accelerator.gather, sums={"tokens": mask.sum(), **per_token, **sc_sums}, means=means)
+        v = reduce_across_processes(self.accelerator.gather, sums={"tokens": mask.sum(), **per_token, **sc_sums},
+                                    means=means, maxima=self._rpp_preemption.flag(logps))
+        self._rpp_preemption.gathered(v)
         m = self._metrics[mode]
         for name in per_token:
             m[name].append(v[name] / max(v["tokens"], 1.0))
