@@ -50,7 +50,8 @@ def assert_same_numbers(resumed_run, reference_run):
 def wait_for(path, proc, timeout=300):
     deadline = time.time() + timeout
     while not os.path.exists(path):
-        assert proc.poll() is None, f"the run ended (status {proc.returncode}) before writing {path}"
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (status {proc.returncode}) before writing {path}\n{proc.stdout.read()[-4000:]}")
         assert time.time() < deadline, f"no {path} after {timeout} s"
         time.sleep(0.1)
     with open(path) as f:
