@@ -1,6 +1,12 @@
-"""Run by tests/test_resume.py as a real subprocess: trains, checkpoints every 3 steps (--save_steps), and (with
---hang_at N) stops inside step N's reward computation so that the parent can SIGKILL it mid-step, or (with
---kill_at POINT --kill_step N) SIGKILLs itself at POINT of the write of checkpoint-N (see `install_kill`)."""
+"""Run by tests/test_resume.py and tests/test_preemption.py as a real subprocess (also under `accelerate launch` with
+2 processes): trains, checkpoints every 3 steps (--save_steps), and (with --hang_at N) stops inside step N's reward
+computation so that the parent can SIGKILL it mid-step, or (with --kill_at POINT --kill_step N) SIGKILLs itself at
+POINT of the write of checkpoint-N (see `install_kill`).
+
+For the preemption tests, --wait_at N waits inside step N's reward computation, and --pause_at POINT --pause_step N
+at POINT of the write of checkpoint-N, until this process has received --wait_signals preemption signals from the
+parent (or the parent creates `release` in the output folder). Each writes `waiting_rank<r>` / `paused_rank<r>`
+there first, holding its pid, so that the parent knows when and where to send the signal."""
 
 import argparse
 import io
@@ -30,9 +36,24 @@ KILL_POINTS = {
 }
 
 
-def install_kill(point, step, trainer):
-    """SIGKILL this process at `point` of the write of checkpoint-`step`. The real code runs up to that point: the
-    bytes on disk are a real prefix of what would have been written."""
+def wait_for_signals(trainer, marker, count):
+    """Write `<marker>_rank<r>` (this pid) to the output folder, then wait until this process has received `count`
+    preemption signals, or the parent writes `release`."""
+    out = trainer.args.output_dir
+    path = os.path.join(out, f"{marker}_rank{trainer.accelerator.process_index}")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)  # the parent never reads a partial pid
+    deadline = time.time() + 180
+    while len(trainer._rpp_preemption.received) < count and not os.path.exists(os.path.join(out, "release")):
+        if time.time() > deadline:
+            raise RuntimeError(f"{marker}: no signal came")
+        time.sleep(0.05)
+
+
+def install_kill(point, step, trainer, action=None):
+    """SIGKILL this process at `point` of the write of checkpoint-`step` (or call `action` there instead). The real
+    code runs up to that point: the bytes on disk are a real prefix of what would have been written."""
     import transformers.trainer as hf_trainer
     from transformers import Trainer, TrainerState
 
@@ -41,6 +62,8 @@ def install_kill(point, step, trainer):
 
     def die():
         sys.stderr.flush()
+        if action is not None:
+            return action()
         os.kill(os.getpid(), signal.SIGKILL)
 
     real_save = torch.save
@@ -99,16 +122,25 @@ def main():
     ap.add_argument("--save_steps", type=int, default=3)
     ap.add_argument("--kill_at", choices=sorted(KILL_POINTS), default=None)
     ap.add_argument("--kill_step", type=int, default=None, help="the checkpoint whose write --kill_at interrupts")
+    ap.add_argument("--resume_from", default=None, help="resume from this checkpoint folder (--resume: True)")
+    ap.add_argument("--wait_at", type=int, default=None, help="wait for a signal inside this step's reward")
+    ap.add_argument("--pause_at", choices=["model_start", "rng_start", "rotate_start"], default=None,
+                    help="wait for signals at this point of a checkpoint's write")
+    ap.add_argument("--pause_step", type=int, default=None, help="the checkpoint whose write --pause_at pauses")
+    ap.add_argument("--wait_signals", type=int, default=1, help="how many signals --pause_at waits for")
     a = ap.parse_args()
     torch.set_num_threads(1)
 
     calls = []
+    trainer = None
 
     def reward(prompts, completions, trainer_state=None, **kw):
         calls.append(trainer_state.global_step + 1)
         if a.hang_at is not None and trainer_state.global_step + 1 == a.hang_at:
             open(os.path.join(a.output_dir, "hanging"), "w").close()
             time.sleep(600)  # the parent kills us here, in the middle of the step
+        if a.wait_at is not None and trainer_state.global_step + 1 == a.wait_at:
+            wait_for_signals(trainer, "waiting", 1)  # the parent signals us here, in the middle of the step
         return [float(c[:1] == p[:1]) + 0.1 * len(c) for p, c in zip(prompts, completions)]
 
     args = RPPConfig(
@@ -133,9 +165,12 @@ def main():
     trainer = RPPTrainer(model=a.model, reward_funcs=reward, args=args, train_dataset=copy_task_dataset(256))
     if a.kill_at is not None:
         install_kill(a.kill_at, a.kill_step, trainer)
-    trainer.train(resume_from_checkpoint=True if a.resume else None)
-    with open(os.path.join(a.output_dir, "log_history.json"), "w") as f:
-        json.dump(dict(log_history=trainer.state.log_history, steps_run_here=calls), f)
+    if a.pause_at is not None:
+        install_kill(a.pause_at, a.pause_step, trainer, lambda: wait_for_signals(trainer, "paused", a.wait_signals))
+    trainer.train(resume_from_checkpoint=a.resume_from or (True if a.resume else None))
+    if trainer.accelerator.is_main_process:
+        with open(os.path.join(a.output_dir, "log_history.json"), "w") as f:
+            json.dump(dict(log_history=trainer.state.log_history, steps_run_here=calls), f)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""The generation buffer in a checkpoint (`trl_rpp.checkpoint`): atomic write, and errors that name the damaged file.
-The real kills at each point of a checkpoint's write are in tests/test_resume.py."""
+"""The generation buffer in a checkpoint (`trl_rpp.checkpoint`): atomic write, and errors that name the damaged file;
+what a complete checkpoint is, file by file, and `resume_from_checkpoint=True` skipping a torn one. The real kills at
+each point of a checkpoint's write are in tests/test_resume.py."""
 
 import json
+import logging
 import os
+import re
+import shutil
 
 import pytest
 import torch
@@ -10,12 +14,18 @@ import torch
 from trainer_helpers import make_args
 from trl_rpp import RPPTrainer
 from trl_rpp.checkpoint import (
+    WEIGHT_FILES,
     DamagedCheckpointError,
+    ResumeLayout,
     buffer_needed,
     buffer_path,
     check_resumable,
+    checkpoint_problem,
+    layout_of,
     load_generation_buffer,
+    newest_complete_checkpoint,
     read_global_step,
+    required_files,
     save_generation_buffer,
 )
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
@@ -85,11 +95,14 @@ def test_missing_or_damaged_trainer_state_names_it(tmp_path):
         check_resumable(folder, 0, 1, 3, 1)
 
 
+@pytest.mark.parametrize("how", ["named", "True"])
 @pytest.mark.parametrize("damage", ["removed", "truncated"])
-def test_trainer_refuses_to_resume_inside_a_batch_without_a_readable_buffer(tmp_path, tiny_model, damage):
+def test_trainer_refuses_to_resume_inside_a_batch_without_a_readable_buffer(tmp_path, tiny_model, damage, how):
     """A checkpoint at step 2 with steps_per_generation=3 falls inside a generation batch. Without its buffer (e.g.
     written by an older version) or with a damaged one, resuming is an error naming the file before any compute,
-    not a silently new batch (GRPO's behaviour) nor torch's `OSError: [Errno 22] Invalid argument`."""
+    not a silently new batch (GRPO's behaviour) nor torch's `OSError: [Errno 22] Invalid argument`. Named, that is
+    the error; with `resume_from_checkpoint=True`, which skips torn checkpoints, it is the only one, so Trainer's
+    "No valid checkpoint found" names it."""
     kw = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, steps_per_generation=3, max_steps=2,
               save_strategy="steps", save_steps=2, reward_weights=None)
     args = make_args(tmp_path, "reinforce_plus_plus", **kw)
@@ -107,6 +120,147 @@ def test_trainer_refuses_to_resume_inside_a_batch_without_a_readable_buffer(tmp_
     args = make_args(tmp_path, "reinforce_plus_plus", **{**kw, "max_steps": 3})
     trainer = RPPTrainer(model=tiny_model, reward_funcs=copy_first_char_reward, args=args,
                          train_dataset=copy_task_dataset(64))
-    with pytest.raises(DamagedCheckpointError, match=match):
-        trainer.train(resume_from_checkpoint=True)
+    if how == "named":
+        with pytest.raises(DamagedCheckpointError, match=match):
+            trainer.train(resume_from_checkpoint=folder)
+    else:
+        with pytest.raises(ValueError, match=rf"^No valid checkpoint found in output directory "
+                                             rf"\({re.escape(args.output_dir)}\): no checkpoint there is complete "
+                                             rf"\({re.escape(path)} is"):
+            trainer.train(resume_from_checkpoint=True)
     assert trainer.state.global_step == 0  # refused before anything was loaded or trained
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Torn checkpoints, file by file: what "complete" means, and resume_from_checkpoint=True skipping a torn one
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_required_files_follow_the_engine_and_the_process():
+    assert required_files(0, 1) == (WEIGHT_FILES, ("optimizer.pt",), ("scheduler.pt",), ("rng_state.pth",))
+    assert required_files(1, 2)[-1] == ("rng_state_1.pth",)
+    assert required_files(0, 1, scaler=True)[-1] == ("scaler.pt",)
+    assert required_files(0, 2, engine="deepspeed") == (("rng_state_0.pth",),)
+    assert required_files(0, 2, engine="fsdp") == (("scheduler.pt",), ("rng_state_0.pth",))
+    assert required_files(0, 1, save_only_model=True) == (WEIGHT_FILES,)
+
+
+# Every file of checkpoint-4 of the run below, and whether resume_from_checkpoint=True still resumes from it when the
+# file is deleted or cut to half its length ("skip": it resumes from checkpoint-2). Required files may be neither
+# missing nor cut; a file resuming does not read may be missing, but one cut short shows an interrupted or lost write
+# and the folder is skipped too, where the format tells (JSON, safetensors, torch.save's zip); README-like text and
+# vocabularies cannot tell. A file that a new transformers version adds fails `test_a_real_checkpoint_lists_them`.
+TORN = {
+    "rpp_generation_buffer_rank0.pt": ("skip", "skip"),  # checkpoint-4 falls inside a generation batch
+    "model.safetensors": ("skip", "skip"),
+    "optimizer.pt": ("skip", "skip"),
+    "scheduler.pt": ("skip", "skip"),
+    "rng_state.pth": ("skip", "skip"),
+    "trainer_state.json": ("skip", "skip"),
+    "config.json": ("resume", "skip"),
+    "generation_config.json": ("resume", "skip"),
+    "training_args.bin": ("resume", "skip"),
+    "tokenizer.json": ("resume", "skip"),
+    "tokenizer_config.json": ("resume", "skip"),
+}
+TORN_KW = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, steps_per_generation=3, max_steps=6,
+               save_strategy="steps", save_steps=2, reward_weights=None)
+
+
+@pytest.fixture(scope="module")
+def torn_run(tmp_path_factory, tiny_model):
+    """An uninterrupted 6-step run with checkpoints at steps 2, 4 and 6 (generations at 1 and 4: checkpoints 2 and 4
+    fall inside a generation batch)."""
+    root = tmp_path_factory.mktemp("torn")
+    args = make_args(root, "reinforce_plus_plus", **TORN_KW)
+    trainer = RPPTrainer(model=tiny_model, reward_funcs=copy_first_char_reward, args=args,
+                         train_dataset=copy_task_dataset(64))
+    trainer.train()
+    assert layout_of(trainer) == ResumeLayout(0, 1, 3, 1, required_files(0, 1))
+    return args.output_dir, trainer.state.log_history
+
+
+def torn_copy(run_dir, dest, name, damage):
+    """checkpoint-2 and checkpoint-4 of the run (so that 4 is the newest, as when a kill cut its write), with `name`
+    of checkpoint-4 deleted or cut to half its length."""
+    for c in ("checkpoint-2", "checkpoint-4"):
+        shutil.copytree(os.path.join(run_dir, c), os.path.join(dest, c))
+    path = os.path.join(dest, "checkpoint-4", name)
+    if damage == "deleted":
+        os.remove(path)
+    else:
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[: len(data) // 2])
+    return path
+
+
+def test_a_real_checkpoint_lists_them(torn_run):
+    run_dir, _ = torn_run
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoint-4"))) == sorted(TORN)
+    for c in ("checkpoint-2", "checkpoint-4", "checkpoint-6"):
+        assert checkpoint_problem(os.path.join(run_dir, c), ResumeLayout(0, 1, 3, 1, required_files(0, 1))) is None
+
+
+CASES = [(name, damage) for name in TORN for damage in ("deleted", "cut")]
+
+
+@pytest.mark.parametrize("name,damage", CASES, ids=[f"{n}-{d}" for n, d in CASES])
+def test_each_torn_file_is_skipped_or_resumed(tmp_path, torn_run, name, damage):
+    run_dir, _ = torn_run
+    path = torn_copy(run_dir, str(tmp_path), name, damage)
+    layout = ResumeLayout(0, 1, 3, 1, required_files(0, 1))
+    chosen, skipped = newest_complete_checkpoint(str(tmp_path), layout)
+    if TORN[name][damage == "cut"] == "resume":
+        assert chosen == os.path.join(tmp_path, "checkpoint-4") and skipped == []
+        return
+    assert chosen == os.path.join(tmp_path, "checkpoint-2")
+    [(folder, problem)] = skipped
+    assert folder == os.path.join(tmp_path, "checkpoint-4")
+    if name == "trainer_state.json" or damage == "cut" or name.startswith("rpp_"):
+        assert problem.path == path, (problem.path, str(problem))
+    else:  # a required file: its name, and what resuming without it would do
+        assert problem.path == path and str(problem).startswith(f"{path} is missing"), str(problem)
+        assert "resume_from_checkpoint=True skips it" in str(problem)
+    # Named explicitly, the same checkpoint is refused with that message.
+    with pytest.raises(DamagedCheckpointError) as err:
+        check_resumable(folder, 0, 1, 3, 1, required_files(0, 1))
+    assert str(err.value) == str(problem)
+
+
+RESUMED = [("optimizer.pt", "cut"), ("rng_state.pth", "deleted"), ("model.safetensors", "cut"),
+           ("trainer_state.json", "cut"), ("rpp_generation_buffer_rank0.pt", "deleted"),
+           ("tokenizer_config.json", "deleted")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,damage", RESUMED, ids=[f"{n}-{d}" for n, d in RESUMED])
+def test_auto_resume_skips_the_torn_checkpoint_with_the_same_numbers(tmp_path, tiny_model, torn_run, caplog, name,
+                                                                    damage):
+    """resume_from_checkpoint=True after the newest checkpoint was torn: a warning names it and its file, training
+    resumes from checkpoint-2, and every logged step equals the uninterrupted run's (==, CPU, fixed seed). The same
+    checkpoint named explicitly is refused."""
+    run_dir, reference = torn_run
+    args = make_args(tmp_path, "reinforce_plus_plus", **TORN_KW)
+    path = torn_copy(run_dir, args.output_dir, name, damage)
+    checkpoint4 = os.path.join(args.output_dir, "checkpoint-4")
+    trainer = RPPTrainer(model=tiny_model, reward_funcs=copy_first_char_reward, args=args,
+                         train_dataset=copy_task_dataset(64))
+    skip = TORN[name][damage == "cut"] == "skip"
+    if skip:
+        with pytest.raises(DamagedCheckpointError, match=f"^{re.escape(path)} "):
+            trainer.train(resume_from_checkpoint=checkpoint4)
+    with caplog.at_level(logging.WARNING, logger="trl_rpp"):
+        trainer.train(resume_from_checkpoint=True)
+    warned = [r.getMessage() for r in caplog.records if "skips" in r.getMessage()]
+    if skip:
+        assert len(warned) == 1 and warned[0].startswith(
+            f"trl_rpp: resume_from_checkpoint=True skips {checkpoint4}, which is incomplete: {path} "), warned
+        assert warned[0].endswith(f"Resuming from {os.path.join(args.output_dir, 'checkpoint-2')} instead."), warned
+    else:
+        assert warned == []
+    steps = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    expected = {h["step"]: h for h in reference if "loss" in h}
+    assert sorted(steps) == list(range(1, 7))
+    for step, entry in steps.items():
+        for key in ("loss", "reward", "advantages/raw_mean", "advantages/mean", "advantages/std", "grad_norm"):
+            assert entry.get(key) == expected[step].get(key), (step, key, entry.get(key), expected[step].get(key))

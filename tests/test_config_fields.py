@@ -185,6 +185,7 @@ RPP_FIELDS = {
     "max_consecutive_skipped_steps": dict(
         honored={RPP: ({}, 0), BASE: ({}, 2)}, ignored={RPP: ({"fp16": True}, [0]), BASE: ({"fp16": True}, [2])},
     ),
+    "preemption_signals": dict(honored={RPP: ({}, "SIGTERM"), BASE: ({}, "")}),  # read by train() (preemption.py)
 }
 
 

@@ -2,7 +2,6 @@
 per-step rewards and losses equal those of an uninterrupted run from that checkpoint on (CPU, fixed seed)."""
 
 import json
-import shutil
 import os
 import signal
 import subprocess
@@ -70,7 +69,9 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, estimator,
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A kill at any point of a checkpoint's write: resumed exactly, or refused with the damaged file named
+# A kill at any point of a checkpoint's write: resumed exactly, from the torn checkpoint's predecessor when it is
+# incomplete (resume_from_checkpoint=True skips it, naming it), or refused with the damaged file named when it is
+# named explicitly
 # ----------------------------------------------------------------------------------------------------------------
 
 # steps_per_generation=3, a checkpoint every 2 steps: generations at steps 1, 4, 7; checkpoint-2 and checkpoint-4 both
@@ -78,11 +79,11 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, estimator,
 KILL_ARGS = ("--steps_per_generation", "3", "--save_steps", "2")
 # point -> what resuming with resume_from_checkpoint=True gives right after the kill
 KILL_CASES = {
-    "buffer_start": "refused",  # checkpoint-4/ holds only an empty temporary buffer file
-    "buffer_half": "refused",  # ... a half-written temporary buffer file
-    "model_start": "refused",  # ... only the complete buffer
-    "rng_start": "refused",  # ... buffer, model and optimizer, no trainer_state.json
-    "state_half": "refused",  # ... everything, with a half-written trainer_state.json
+    "buffer_start": "skipped",  # checkpoint-4/ holds only an empty temporary buffer file
+    "buffer_half": "skipped",  # ... a half-written temporary buffer file
+    "model_start": "skipped",  # ... only the complete buffer
+    "rng_start": "skipped",  # ... buffer, model and optimizer, no trainer_state.json
+    "state_half": "skipped",  # ... everything, with a half-written trainer_state.json
     "rotate_start": "resumed",  # ... everything: a complete checkpoint, resumed from step 4 with its buffer
 }
 
@@ -103,8 +104,10 @@ def kill_reference(tmp_path_factory):
 @pytest.mark.parametrize("point", list(KILL_CASES))
 def test_sigkill_during_checkpoint_write(tmp_path, kill_reference, point):
     """A real SIGKILL at `point` of the write of checkpoint-4 (the process kills itself there, see
-    tests/resume_script.py). Resuming either reproduces the uninterrupted run's per-step numbers exactly, or is
-    refused with a message that names the damaged file and says what to do; doing that then resumes exactly."""
+    tests/resume_script.py). Resuming with resume_from_checkpoint=True reproduces the uninterrupted run's per-step
+    numbers exactly: from checkpoint-4 when it is complete, else from checkpoint-2, with a warning naming the torn
+    checkpoint-4 and its file (so that a scheduler's automatic restart goes on instead of failing in a loop). Named
+    explicitly, a torn checkpoint-4 is refused with a message that names the file and says what to do."""
     model, reference = kill_reference
     out_dir = str(tmp_path / "run")
     os.makedirs(out_dir)
@@ -120,20 +123,26 @@ def test_sigkill_during_checkpoint_write(tmp_path, kill_reference, point):
     else:
         assert buffer in files and ("trainer_state.json" in files) == (point in ("state_half", "rotate_start")), files
 
-    resume = script("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--resume")
-    out = subprocess.run(resume, env=ENV, capture_output=True, text=True, timeout=600)
-    if KILL_CASES[point] == "refused":
-        assert out.returncode != 0
-        error = out.stderr.strip().splitlines()[-1]
-        assert error.startswith("trl_rpp.checkpoint.DamagedCheckpointError: "), out.stderr[-3000:]
+    if KILL_CASES[point] == "skipped":
+        named = subprocess.run(script("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--resume_from",
+                                      checkpoint4), env=ENV, capture_output=True, text=True, timeout=600)
+        assert named.returncode != 0
+        error = named.stderr.strip().splitlines()[-1]
+        assert error.startswith("trl_rpp.checkpoint.DamagedCheckpointError: "), named.stderr[-3000:]
         assert os.path.join(checkpoint4, "trainer_state.json") in error, error
         assert f"Delete the folder {checkpoint4} and resume again" in error, error
-        shutil.rmtree(checkpoint4)  # what the message says to do
-        out = subprocess.run(resume, env=ENV, capture_output=True, text=True, timeout=600)
+    resume = script("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--resume")
+    out = subprocess.run(resume, env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    skipped = f"trl_rpp: resume_from_checkpoint=True skips {checkpoint4}, which is incomplete: " + os.path.join(
+        checkpoint4, "trainer_state.json")
+    if KILL_CASES[point] == "skipped":
+        assert skipped in out.stderr, out.stderr[-3000:]
+        assert f"Resuming from {os.path.join(out_dir, 'checkpoint-2')} instead." in out.stderr, out.stderr[-3000:]
         resumed_from, generated = 2, [4, 7]  # step 3 trains on checkpoint-2's buffered batch
     else:
+        assert "skips" not in out.stderr, out.stderr[-3000:]
         resumed_from, generated = 4, [7]  # steps 5 and 6 train on checkpoint-4's buffered batch
-    assert out.returncode == 0, out.stderr[-3000:]
     resumed_run = json.load(open(os.path.join(out_dir, "log_history.json")))
     assert resumed_run["steps_run_here"] == generated, resumed_from
     resumed, expected = per_step(resumed_run["log_history"]), per_step(reference["log_history"])

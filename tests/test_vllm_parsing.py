@@ -253,15 +253,15 @@ def test_with_real_vllm_logprob_objects():
                                         ("token_mask", None, 3.0)])
 def test_weight_function_matches_trls_token_correction(mode, lo, hi):
     """The f used in the centering coefficients is the same function of the ratio that TRL applies per token."""
-    from trl_rpp import RPPTrainer
+    from trl_rpp.score_centering import importance_weight_fn
 
     fake = NS(use_vllm=True, vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
               vllm_importance_sampling_clip_min=lo, vllm_importance_sampling_clip_max=hi)
-    f = RPPTrainer._importance_weight_fn(fake)
+    f = importance_weight_fn(fake)
     ratio = torch.tensor([0.1, 0.5, 1.0, 1.9, 2.5, 10.0], dtype=torch.float64)
     if mode == "token_truncate":  # TRL: torch.clamp(ratio, min=clip_min, max=clip_max)
         want = torch.clamp(ratio, min=lo, max=hi)
     else:  # TRL: ratio.masked_fill((ratio < min) | (ratio > max), 0)
         want = ratio.masked_fill((ratio < (lo if lo is not None else -math.inf)) | (ratio > hi), 0.0)
     torch.testing.assert_close(f(ratio), want)
-    assert RPPTrainer._importance_weight_fn(NS(use_vllm=False)) is None
+    assert importance_weight_fn(NS(use_vllm=False)) is None

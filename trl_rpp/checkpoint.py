@@ -11,21 +11,53 @@ resuming reads that file. So:
 - before resuming, `check_resumable` refuses a checkpoint whose `trainer_state.json` is missing or unreadable (the
   write was interrupted), and one that falls inside a generation batch but whose buffer is missing or unreadable,
   each time naming the file and saying what to do.
+
+A checkpoint is *complete* (`checkpoint_problem` returns None) when, in this order: `trainer_state.json` reads;
+the generation buffer reads (and exists, where the step falls inside a generation batch); every file that resuming
+this run reads exists (`required_files`: the weights, `optimizer.pt`, `scheduler.pt`, this process's RNG state, and
+`scaler.pt` with a loss scaler; Trainer silently skips a missing optimizer, scheduler or RNG file, which changes the
+run); and no file of the folder that can be checked without loading it is cut short: every `*.json` parses, every
+`*.safetensors` is as long as its header says, every file `torch.save` wrote (`optimizer.pt`, `rng_state.pth`, ...) has
+its zip directory and an intact pickle. Trainer writes `trainer_state.json` last, so a kill leaves no
+`trainer_state.json`; the other checks catch what a crash of the machine can leave (files not yet on disk, as neither
+Trainer nor the folder is fsynced) or a file damaged later. `newest_complete_checkpoint` is what
+`resume_from_checkpoint=True` resumes from: the newest checkpoint complete on every process, skipping newer torn ones.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import zipfile
+from dataclasses import dataclass
 
 import torch
+from accelerate.utils import gather_object
 
 BUFFER_FILE = "rpp_generation_buffer_rank{}.pt"
 TRAINER_STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME, written last by Trainer
+# The model as Trainer.save_model writes it (one of these is enough): full weights, sharded weights, a PEFT adapter.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "pytorch_model.bin",
+                "pytorch_model.bin.index.json", "adapter_model.bin")
+# Files that Trainer, accelerate's FSDP saving or RPPTrainer write with `torch.save` (a zip archive).
+TORCH_FILE = re.compile(
+    r"^(optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|training_args\.bin|optimizer(_\d+)?\.bin"
+    r"|pytorch_model(_fsdp)?(_\d+)?(-\d+-of-\d+)?\.bin|adapter_model\.bin|rpp_generation_buffer_rank\d+\.pt)$"
+)
+CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")  # transformers.trainer_utils._re_checkpoint
+
+logger = logging.getLogger(__name__)
 
 
 class DamagedCheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed exactly; the message names the file and what to do."""
+    """A checkpoint that cannot be resumed exactly; the message names the file and what to do. `path` is that file
+    and `reason` what is wrong with it, in a few words (for the warning of a skipped checkpoint)."""
+
+    def __init__(self, message: str, path: str | None = None, reason: str | None = None):
+        super().__init__(message)
+        self.path, self.reason = path, reason
 
 
 def buffer_path(folder: str, rank: int) -> str:
@@ -68,11 +100,12 @@ def buffer_needed(
 
 def _incomplete(folder: str, problem: str) -> DamagedCheckpointError:
     parent = os.path.dirname(os.path.abspath(folder))
+    path = os.path.join(folder, TRAINER_STATE_FILE)
     return DamagedCheckpointError(
-        f"{os.path.join(folder, TRAINER_STATE_FILE)} {problem}: this checkpoint was not completely written (the "
+        f"{path} {problem}: this checkpoint was not completely written (the "
         f"process stopped while saving it; Trainer writes {TRAINER_STATE_FILE} last). Delete the folder {folder} "
         f"and resume again: resume_from_checkpoint=True then continues from the newest complete checkpoint in "
-        f"{parent}, with the same numbers as an uninterrupted run."
+        f"{parent}, with the same numbers as an uninterrupted run.", path, problem
     )
 
 
@@ -103,7 +136,8 @@ def load_generation_buffer(folder: str, rank: int, required: bool, map_location=
             f"{path} is missing, but {folder} falls inside a generation batch (steps_per_generation or "
             "num_iterations > 1), and resuming there without the buffered batch would sample a new one and "
             "silently change the run. The checkpoint was written without it (by an older version of trl_rpp, or the "
-            "file was removed). Resume from an earlier checkpoint that has its buffer, or at a generation boundary."
+            "file was removed). Resume from an earlier checkpoint that has its buffer, or at a generation boundary.",
+            path, "is missing, and the checkpoint falls inside a generation batch",
         )
     # torch.load has no restore rule for an indexed CPU device ("cpu:0"), which is accelerator.device in a
     # multi-process CPU run (MULTI_CPU): the file would be reported damaged. Plain "cpu" is the same device.
@@ -115,15 +149,229 @@ def load_generation_buffer(folder: str, rank: int, required: bool, map_location=
     except Exception as err:  # torch raises OSError, RuntimeError, EOFError, UnpicklingError... for a damaged file
         # Only torch's first sentence: the rest can advise weights_only=False, which is not the fix here.
         reason = (str(err).strip().splitlines() or [""])[0].split(". ")[0][:160]
-        raise DamagedCheckpointError(
-            f"{path} is damaged and cannot be read ({type(err).__name__}: {reason}). Delete the folder {folder} and "
-            "resume from the previous checkpoint."
-        ) from err
+        raise _damaged(folder, path, f"{type(err).__name__}: {reason}") from err
+
+
+def _damaged(folder: str, path: str, reason: str) -> DamagedCheckpointError:
+    return DamagedCheckpointError(
+        f"{path} is damaged and cannot be read ({reason}). Delete the folder {folder} and resume from the previous "
+        "checkpoint.", path, f"is damaged and cannot be read ({reason})"
+    )
+
+
+# What resuming without each required file would do (Trainer skips a missing optimizer, scheduler, scaler or RNG file
+# with at most an info log, and fails on missing weights).
+_WITHOUT = {
+    WEIGHT_FILES: "fail: there are no model weights to load",
+    ("optimizer.pt",): "silently start the optimizer state afresh (Trainer skips a missing file)",
+    ("scheduler.pt",): "silently restart the learning-rate schedule (Trainer skips a missing file)",
+    ("scaler.pt",): "silently restart the loss scale (Trainer skips a missing file)",
+}
+
+
+def required_files(rank: int, world_size: int, engine: str = "plain", save_only_model: bool = False,
+                   scaler: bool = False) -> tuple[tuple[str, ...], ...]:
+    """The files that resuming reads from a checkpoint, each as a tuple of alternatives (any one is enough), besides
+    `trainer_state.json` and the generation buffer. `engine` is "plain" (one process or DDP), "deepspeed" or "fsdp":
+    DeepSpeed and FSDP keep the model and optimizer in their own formats and folders, not checked here."""
+    files = [WEIGHT_FILES] if engine == "plain" else []
+    if not save_only_model:  # such a checkpoint holds the model only (and Trainer cannot resume it exactly anyway)
+        if engine == "plain":
+            files.append(("optimizer.pt",))
+        if engine != "deepspeed":  # DeepSpeed keeps the scheduler with its engine's state
+            files.append(("scheduler.pt",))
+        files.append(("rng_state.pth",) if world_size <= 1 else (f"rng_state_{rank}.pth",))
+        if scaler:
+            files.append(("scaler.pt",))
+    return tuple(files)
+
+
+@dataclass(frozen=True)
+class ResumeLayout:
+    """What a checkpoint of this run needs to resume it exactly on process `rank` (see `checkpoint_problem`)."""
+
+    rank: int = 0
+    gradient_accumulation_steps: int = 1
+    steps_per_generation: int = 1
+    num_iterations: int = 1
+    required: tuple[tuple[str, ...], ...] = ()  # `required_files`
+
+
+def layout_of(trainer) -> ResumeLayout:
+    """The `ResumeLayout` of an `RPPTrainer`'s run, on this process."""
+    args = trainer.args
+    engine = "deepspeed" if trainer.is_deepspeed_enabled else "fsdp" if trainer.is_fsdp_enabled else "plain"
+    scaler = getattr(trainer.accelerator, "scaler", None) is not None
+    rank = trainer.accelerator.process_index
+    return ResumeLayout(rank, args.gradient_accumulation_steps, args.steps_per_generation, trainer.num_iterations,
+                        required_files(rank, args.world_size, engine, args.save_only_model, scaler))
+
+
+def _safetensors_problem(path: str) -> str | None:
+    """Why a `.safetensors` file is cut short or garbled (its header gives the exact length), or None."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, shorter than the 8-byte length of its header"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"its header says {n} bytes of metadata, in a file of {size} bytes"
+        try:
+            header = json.loads(f.read(n))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+            return f"its header does not parse ({type(err).__name__}: {err})"
+    if size != 8 + n + end:
+        return f"{size} bytes, where its header describes {8 + n + end}"
+    return None
+
+
+def _torch_file_problem(path: str) -> str | None:
+    """Why a file `torch.save` wrote is cut short or garbled, or None: its zip directory (at the end of the file)
+    reads, every record lies within the file, and the pickle records pass their CRC. The tensor data is not read."""
+    size = os.path.getsize(path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                if info.header_offset + info.compress_size > size:
+                    return f"record {info.filename} ends past the end of the file ({size} bytes)"
+                if info.filename.endswith(".pkl"):
+                    z.read(info)  # checks its CRC-32
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _file_problem(folder: str, name: str) -> DamagedCheckpointError | None:
+    """A damaged file of a checkpoint's top level, where one can be told without loading it."""
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        return None
+    if name.endswith(".json"):
+        try:
+            with open(path, encoding="utf-8") as f:
+                content = json.load(f)
+        except (ValueError, UnicodeDecodeError) as err:
+            return _damaged(folder, path, f"{type(err).__name__}: {err}")
+        if name.endswith(".index.json") and isinstance(content, dict):  # sharded weights: every shard is there
+            for shard in sorted(set((content.get("weight_map") or {}).values())):
+                if not os.path.isfile(os.path.join(folder, shard)):
+                    return _damaged(folder, path, f"its shard {shard} is missing")
+        return None
+    if name.endswith(".safetensors"):
+        problem = _safetensors_problem(path)
+    elif TORCH_FILE.match(name):
+        problem = _torch_file_problem(path)
+    else:
+        return None  # not a format checked here (tokenizer vocabularies, README.md, DeepSpeed's `latest`, ...)
+    return None if problem is None else _damaged(folder, path, problem)
+
+
+def checkpoint_problem(folder: str, layout: ResumeLayout) -> DamagedCheckpointError | None:
+    """Why `folder` cannot be resumed exactly by the run `layout` describes, or None when it is complete (see the
+    module docstring for what that means and in which order it is checked)."""
+    try:
+        step = read_global_step(folder)
+        needed = buffer_needed(step, layout.gradient_accumulation_steps, layout.steps_per_generation,
+                               layout.num_iterations)
+        load_generation_buffer(folder, layout.rank, needed, map_location="cpu")
+    except DamagedCheckpointError as err:
+        return err
+    for alternatives in layout.required:
+        if not any(os.path.exists(os.path.join(folder, name)) for name in alternatives):
+            path = os.path.join(folder, alternatives[0])
+            others = f" (nor {', '.join(alternatives[1:])})" if len(alternatives) > 1 else ""
+            without = _WITHOUT.get(alternatives, "silently change the random numbers from there on (Trainer skips a "
+                                   "missing RNG file)")
+            return DamagedCheckpointError(
+                f"{path} is missing{others}, so {folder} is incomplete: resuming from it would {without}. Delete the "
+                "folder and resume from the previous checkpoint (resume_from_checkpoint=True skips it).",
+                path, f"is missing{others}",
+            )
+    for name in sorted(os.listdir(folder)):
+        problem = _file_problem(folder, name)
+        if problem is not None:
+            return problem
+    return None
 
 
 def check_resumable(folder: str, rank: int, gradient_accumulation_steps: int, steps_per_generation: int,
-                    num_iterations: int) -> None:
+                    num_iterations: int, required: tuple[tuple[str, ...], ...] = ()) -> None:
     """Refuse, before anything is loaded, a checkpoint that cannot continue exactly (see the module docstring)."""
-    step = read_global_step(folder)
-    required = buffer_needed(step, gradient_accumulation_steps, steps_per_generation, num_iterations)
-    load_generation_buffer(folder, rank, required, map_location="cpu")
+    problem = checkpoint_problem(
+        folder, ResumeLayout(rank, gradient_accumulation_steps, steps_per_generation, num_iterations, required)
+    )
+    if problem is not None:
+        raise problem
+
+
+def newest_complete_checkpoint(output_dir: str, layout: ResumeLayout, gather=lambda obj: [obj]):
+    """`(folder, skipped)`: the newest `checkpoint-N` of `output_dir` complete on every process (None if there is
+    none), and `[(folder, DamagedCheckpointError)]` for each newer one skipped, newest first.
+
+    `gather(obj)` returns every process's `obj` (`accelerate.utils.gather_object` under several processes): the
+    processes agree on one step, each checking its own files (its buffer, its RNG state), even where their listings
+    differ. Each round, every process finds its newest complete checkpoint at or below the candidate, and the
+    candidate becomes the oldest of those; usually one round, one gather.
+    """
+    folders = {}
+    for name in os.listdir(output_dir):
+        m = CHECKPOINT_DIR.match(name)
+        if m and os.path.isdir(os.path.join(output_dir, name)):
+            folders[int(m.group(1))] = os.path.join(output_dir, name)
+    problems = {}  # step -> DamagedCheckpointError or None, as this process found it
+
+    def newest_at_or_below(limit):
+        for step in sorted((s for s in folders if s <= limit), reverse=True):
+            if step not in problems:
+                problems[step] = checkpoint_problem(folders[step], layout)
+            if problems[step] is None:
+                return step
+        return -1
+
+    candidate = max(folders, default=-1)
+    while True:
+        found = gather(newest_at_or_below(candidate))
+        if all(f == found[0] for f in found):
+            break
+        candidate = min(found)
+    chosen = found[0]
+    reported = {}
+    for view in gather({s: (str(p), p.path, p.reason) for s, p in problems.items() if p is not None and s > chosen}):
+        for step, problem in view.items():
+            reported.setdefault(step, problem)  # the first process's account of each skipped checkpoint
+    skipped = []
+    for step in sorted(reported, reverse=True):
+        message, path, reason = reported[step]
+        skipped.append((os.path.join(output_dir, f"checkpoint-{step}"), DamagedCheckpointError(message, path, reason)))
+    return (folders.get(chosen) if chosen >= 0 else None), skipped
+
+
+def resolve_resume_checkpoint(trainer, resume_from_checkpoint):
+    """What `RPPTrainer.train` hands on to Trainer's `train`, decided before anything is loaded.
+
+    - `True`: the newest checkpoint complete on every process (`newest_complete_checkpoint`). Each newer, torn one is
+      skipped with a warning that names it and its damaged file. Checkpoints but none complete: Trainer's `ValueError`
+      ("No valid checkpoint found"), naming each. No checkpoint at all: `True`, for Trainer's own error.
+    - a folder: itself if complete; otherwise `DamagedCheckpointError`, naming the file and what to do.
+    """
+    layout, output_dir = layout_of(trainer), trainer.args.output_dir
+    if resume_from_checkpoint is True and os.path.isdir(output_dir):
+        many = trainer.accelerator.num_processes > 1
+        chosen, skipped = newest_complete_checkpoint(output_dir, layout, (lambda obj: gather_object([obj])) if many
+                                                     else (lambda obj: [obj]))
+        if chosen is None and skipped:
+            raise ValueError(
+                f"No valid checkpoint found in output directory ({output_dir}): no checkpoint there is complete ("
+                f"{'; '.join(f'{p.path} {p.reason}' for _, p in skipped)}). Delete them to train from the start."
+            )
+        for folder, problem in skipped if trainer.accelerator.is_main_process else ():
+            logger.warning("trl_rpp: resume_from_checkpoint=True skips %s, which is incomplete: %s %s. Resuming from "
+                           "%s instead.", folder, problem.path, problem.reason, chosen)
+        return True if chosen is None else chosen
+    if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+        problem = checkpoint_problem(os.fspath(resume_from_checkpoint), layout)
+        if problem is not None:
+            raise problem
+    return resume_from_checkpoint

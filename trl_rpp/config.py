@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .preemption import parse_preemption_signals
+
 ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 KL_LOSS_TYPES = ("k1", "k2")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -151,6 +153,14 @@ class RPPConfig(GRPOConfig):
             `trl_rpp.grad_guard.NonFiniteGradientError` before it is applied. `0` skips nothing: the first non-finite
             gradient raises. Must be an integer `>= 0`. Under DeepSpeed or `fp16=True` the engine or the gradient
             scaler skips such steps itself and this field is not read, so only `5` is accepted there.
+
+        > Parameters that control preemption
+
+        preemption_signals (`str`, *optional*, defaults to `"SIGTERM,SIGUSR1"`):
+            Comma-separated signals that stop training gracefully (`trl_rpp.preemption`, `docs/robustness.md`): the
+            optimizer step in progress finishes, every process saves the same complete checkpoint, and `train` exits
+            with status 75. Accepted names: `"SIGTERM"` (sent by SLURM and Kubernetes before they stop a job),
+            `"SIGUSR1"` (SLURM's `--signal`), `"SIGUSR2"`. `""` leaves every signal to its previous handler.
     """
 
     advantage_estimator: str = field(
@@ -271,6 +281,15 @@ class RPPConfig(GRPOConfig):
             "skipped on every process, with a warning and the skipped_steps metric; weights and optimizer state "
             "unchanged). One more in a row raises NonFiniteGradientError; 0 raises at the first. Not read under "
             "DeepSpeed or fp16, whose engine or gradient scaler skips such steps itself."
+        },
+    )
+
+    preemption_signals: str = field(
+        default="SIGTERM,SIGUSR1",
+        metadata={
+            "help": "Comma-separated signals that stop training gracefully: the optimizer step in progress finishes, "
+            "every process saves the same complete checkpoint, and train() exits with status 75. Accepted: SIGTERM, "
+            "SIGUSR1, SIGUSR2; '' leaves every signal to its previous handler."
         },
     )
 
@@ -411,6 +430,7 @@ class RPPConfig(GRPOConfig):
                 f"vllm_dtype={self.vllm_dtype!r} is not supported with vllm_mode={self.vllm_mode!r}; accepted: 'auto'. "
                 "A vLLM server takes its dtype from `vllm serve --dtype`."
             )
+        parse_preemption_signals(self.preemption_signals)  # ValueError naming the field and the accepted names
         if not self.normalize_advantages:
             reject("normalize_advantages", "True", "Both estimators are defined with global advantage normalization.")
         if not _real(self.gamma) or not 0.0 <= self.gamma <= 1.0:

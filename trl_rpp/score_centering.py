@@ -285,3 +285,15 @@ def score_centering_metric_sums(
         "score_centering/coeff_l1": coeff.abs().sum(),
     }
     return per_token, {"sampler_logp_abs_diff": diff.sum(), "sampled": has.sum()}
+
+
+def importance_weight_fn(settings):
+    """TRL's token-level vLLM sampler correction as a function of the ratio, from `settings` (the trainer or any
+    object with its `use_vllm` and `vllm_importance_sampling_*` attributes); None when the correction is off."""
+    if not (settings.use_vllm and settings.vllm_importance_sampling_correction):
+        return None
+    lo, hi = settings.vllm_importance_sampling_clip_min, settings.vllm_importance_sampling_clip_max
+    lo, hi = -float("inf") if lo is None else lo, float("inf") if hi is None else hi
+    if settings.vllm_importance_sampling_mode == "token_truncate":
+        return lambda x: x.clamp(min=lo, max=hi)
+    return lambda x: torch.where((x >= lo) & (x <= hi), x, torch.zeros_like(x))  # token_mask

@@ -5,7 +5,8 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
     __init__                           GRPO's inside `borrowed_beta` (so that it builds the reference model) and
                                        `vllm_engine_args`, then asserts the reference exists, sets the CPU engine's
                                        weight sync and checks score-centering support
-    train                              on resume: refuses an incomplete checkpoint before Trainer loads it, then GRPO's
+    train                              on resume: the newest complete checkpoint (True) or refuses a named torn one,
+                                       then GRPO's, under the preemption signal handlers (`trl_rpp.preemption`)
     _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step
     -- once per generation batch (GRPO's `_prepare_inputs`) --
     _generate_and_score_completions    GRPO's inside `borrowed_beta` (reference log-probs), which calls:
@@ -15,6 +16,7 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
       through GRPO's `_get_per_token_logps_and_entropies` when k1 shaping needs one), or the group baseline
     -- once per micro-batch --
     _compute_loss                      `_policy_forward`, `_loss_advantages`, `_policy_loss`, `_kl_loss`, metrics
+                                       (whose gather carries the preemption flag)
     _get_grad_norm                     per optimizer step, by `GradGuardMixin`: a NaN/Inf norm skips it (grad_guard)
     _save_checkpoint                   the buffered generation batch (self._buffered_inputs) first, then GRPO's
     create_model_card                  after training, on demand: `trl_rpp.model_card` instead of TRL's card text
@@ -35,21 +37,23 @@ import warnings
 
 import torch
 from accelerate.utils import is_peft_model
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 
-from .checkpoint import buffer_needed, check_resumable, load_generation_buffer, save_generation_buffer
+from .checkpoint import buffer_needed, load_generation_buffer, resolve_resume_checkpoint, save_generation_buffer
 from .config import RPPConfig
 from .core import global_masked_normalize, group_centered_rewards, kl_k1, masked_response_mean, reinforce_pp_returns
 from .core import response_mean_k2_loss, response_mean_ppo_loss
 from .distributed import check_normalization_group
 from .grad_guard import GradGuardMixin
 from .model_card import REINFORCE_PP_PAPER, build_model_card
+from .preemption import Preemption
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_funcs
 from .sampling import SamplerTopKCapture, capturing_generate, parse_vllm_topk
-from .score_centering import sampled_and_head_logps, score_centered_ppo_loss, score_centering_metric_sums
+from .score_centering import importance_weight_fn, sampled_and_head_logps, score_centered_ppo_loss
+from .score_centering import score_centering_metric_sums
 from .trainer_utils import FORWARD_KEYS, PolicyForward, borrowed_beta, check_score_centering_support
 from .trainer_utils import empty_batch_message, masked_max, reduce_across_processes, token_mask
 from .vllm_engine import use_cpu_weight_sync, vllm_engine_args
@@ -95,8 +99,9 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
        metrics: `score_centering/*`.
     8. **Checkpoints.** With `steps_per_generation > 1` or `num_iterations > 1` a checkpoint can fall inside a
        generation batch: the buffered batch is saved with it and a resumed run trains on it (GRPO samples a new
-       one); a checkpoint whose write was interrupted is refused, naming the file, before `Trainer` loads it
-       (`trl_rpp.checkpoint`).
+       one). An incomplete checkpoint is refused, naming the file, before `Trainer` loads it; with
+       `resume_from_checkpoint=True` it is skipped, with a warning, for the newest complete one (`trl_rpp.checkpoint`).
+       SIGTERM or SIGUSR1 finish the optimizer step, save a checkpoint and exit with status 75 (`trl_rpp.preemption`).
     9. **Parallelism.** Tensor, context and sequence parallelism (`tp_size`, `cp_size` or `sp_size` > 1) raise a
        `ValueError` at construction: the normalization counts every process's tokens once (`trl_rpp.distributed`).
     10. **Non-finite rewards.** NaN or +/-Inf from a reward function or model (or a number beyond float32) raises a
@@ -135,6 +140,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         with borrowed_beta(args, self._rpp_needs_ref), vllm_engine_args(vllm_logprobs, args.vllm_dtype):
             super().__init__(model, reward_funcs, args, **kwargs)
         self.beta = 0.0
+        self._rpp_preemption = Preemption(self, args.preemption_signals)
         check_normalization_group(self.accelerator.parallelism_config)
         if self._rpp_needs_ref and self.ref_model is None and not is_peft_model(self.model):
             raise RuntimeError(
@@ -152,6 +158,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         self._rpp_allow_deferred_returns = True
         if args.score_centering:
             check_score_centering_support(self)
+            self._rpp_weight_fn = importance_weight_fn(self)  # TRL's token-level sampler correction f(ratio), or None
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's card, written by `trl_rpp.model_card`: the real base model (never a `None` link), the dataset, the
@@ -167,14 +174,10 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        folder = resume_from_checkpoint
-        if folder is True and os.path.isdir(self.args.output_dir):
-            folder = get_last_checkpoint(self.args.output_dir)  # what Trainer resolves True to
-        if isinstance(folder, (str, os.PathLike)):
-            # Before Trainer loads anything: a half-written checkpoint fails here with the file named.
-            check_resumable(os.fspath(folder), self.accelerator.process_index, self.args.gradient_accumulation_steps,
-                            self.args.steps_per_generation, self.num_iterations)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        # Before Trainer loads anything: True skips torn checkpoints (with a warning), a named torn one is refused.
+        resume_from_checkpoint = resolve_resume_checkpoint(self, resume_from_checkpoint)
+        with self._rpp_preemption:  # SIGTERM/SIGUSR1: finish the step, save, exit 75 (`trl_rpp.preemption`)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
         if self._buffered_inputs is not None:
@@ -233,16 +236,6 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         )
         sampled, self._rpp_capture = parse_vllm_topk(completion_ids, logprobs, token_ids, self.args.score_centering_top_k)
         return completion_ids, sampled
-
-    def _importance_weight_fn(self):
-        """TRL's token-level sampler correction as a function of the ratio (None when it is off)."""
-        if not (self.use_vllm and self.vllm_importance_sampling_correction):
-            return None
-        lo = self.vllm_importance_sampling_clip_min if self.vllm_importance_sampling_clip_min is not None else -float("inf")
-        hi = self.vllm_importance_sampling_clip_max if self.vllm_importance_sampling_clip_max is not None else float("inf")
-        if self.vllm_importance_sampling_mode == "token_truncate":
-            return lambda x: x.clamp(min=lo, max=hi)
-        return lambda x: torch.where((x >= lo) & (x <= hi), x, torch.zeros_like(x))  # token_mask
 
     def _forward_logps(self, model, batch, **extra):
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -410,7 +403,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             return response_mean_ppo_loss(fwd.logps, old_logps, advantages, mask, *eps, importance_weights=is_weights)
         return score_centered_ppo_loss(
             fwd.logps, old_logps, advantages, mask, fwd.head_logps, inputs["sampler_head_logps"], *eps,
-            importance_weights=is_weights, weight_fn=self._importance_weight_fn() if is_weights is not None else None,
+            importance_weights=is_weights, weight_fn=self._rpp_weight_fn if is_weights is not None else None,
         )
 
     def _kl_loss(self, logps, ref_logps, mask):
@@ -439,7 +432,9 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
                 logps, fwd.head_logps, inputs["sampler_head_logps"], inputs["sampler_per_token_logps"], mask
             )
         per_token.update(sc_per_token)
-        v = reduce_across_processes(self.accelerator.gather, sums={"tokens": mask.sum(), **per_token, **sc_sums}, means=means)
+        v = reduce_across_processes(self.accelerator.gather, sums={"tokens": mask.sum(), **per_token, **sc_sums},
+                                    means=means, maxima=self._rpp_preemption.flag(logps))
+        self._rpp_preemption.gathered(v)
         m = self._metrics[mode]
         for name in per_token:
             m[name].append(v[name] / max(v["tokens"], 1.0))
