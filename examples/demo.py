@@ -42,17 +42,45 @@ from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
 QUESTION = "What is {a} + {b}? Answer with just the number."
 
 
-def default_threads(usable_cores: int, load_average: float) -> int:
-    """Torch threads for `usable_cores` cores of which `load_average` (runnable processes, 1-minute mean) are
-    busy: the free cores, at least 1 and at most `usable_cores`."""
-    busy = math.floor(max(load_average, 0.0) + 0.5)
-    return max(1, min(usable_cores, usable_cores - busy))
+def default_threads(usable_cores: int, busy: float) -> int:
+    """Torch threads for `usable_cores` cores of which `busy` (in cores) are in use: the free cores, at least 1 and
+    at most `usable_cores`."""
+    taken = math.floor(max(busy, 0.0) + 0.5)
+    return max(1, min(usable_cores, usable_cores - taken))
 
 
-def _auto_threads() -> tuple[int, str]:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+def busy_cores(stat_before: str, stat_after: str, cpus) -> float:
+    """Cores in use among `cpus` (CPU numbers) between two readings of /proc/stat: for each `cpuN` line
+    (`cpuN user nice system idle iowait ...`), the non-idle share of its elapsed time, summed."""
+
+    def per_cpu(text):
+        rows = (line.split() for line in text.splitlines() if line.startswith("cpu") and line[3:4].isdigit())
+        return {int(r[0][3:]): [int(x) for x in r[1:]] for r in rows}
+
+    a, b = per_cpu(stat_before), per_cpu(stat_after)
+    busy = 0.0
+    for n in cpus:
+        if n in a and n in b:
+            total = sum(b[n]) - sum(a[n])
+            idle = (b[n][3] + b[n][4]) - (a[n][3] + a[n][4])  # idle + iowait
+            busy += 1.0 - idle / total if total > 0 else 0.0
+    return busy
+
+
+def _auto_threads(sample_s: float = 1.0) -> tuple[int, str]:
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if os.path.exists("/proc/stat"):
+        # What is busy now, on the cores this process may use. The load average still counts a test run that ended
+        # a minute ago (it decays over minutes): it made a fresh `make demo` after `make test` pick 1 thread.
+        with open("/proc/stat") as f:
+            before = f.read()
+        time.sleep(sample_s)
+        with open("/proc/stat") as f:
+            after = f.read()
+        busy = busy_cores(before, after, cpus)
+        return default_threads(len(cpus), busy), f"{len(cpus)} usable cores, {busy:.2f} busy over {sample_s:g} s"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return default_threads(cores, load), f"{cores} usable cores, 1-minute load {load:.2f}"
+    return default_threads(len(cpus), load), f"{len(cpus)} usable cores, 1-minute load {load:.2f}"
 
 
 def arithmetic_prompts(tokenizer, n, seed):
@@ -119,29 +147,11 @@ def plot_curve(steps, rewards, path, title):
     plt.close(fig)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help="tiny random-init model and the copy task (under a minute)")
-    p.add_argument("--output_dir", default=None, help="default: outputs/demo or outputs/demo-tiny")
-    p.add_argument("--max_steps", type=int, default=None, help="default: 16 (SmolLM2) or 150 (--tiny)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: the cores free at start, from the load average; see above)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--learning_rate", type=float, default=None, help="default: 5e-4 (SmolLM2, LoRA) or 3e-3 (--tiny)")
-    a = p.parse_args(argv)
-    if a.threads is None:
-        a.threads, why = _auto_threads()
-        print(f"[demo] torch threads: {a.threads} ({why}; --threads overrides)", flush=True)
-    torch.set_num_threads(a.threads)
-    t0 = time.time()
-    output_dir = a.output_dir or ("outputs/demo-tiny" if a.tiny else "outputs/demo")
-    os.makedirs(output_dir, exist_ok=True)
-    os.environ.setdefault("WANDB_DIR", os.path.abspath(output_dir))
-    os.environ.setdefault("WANDB_PROJECT", "trl_rpp-demo")
-
-    from datasets import Dataset
+def demo_setup(a, output_dir):
+    """The demo's model, tokenizer, prompts, reward and trainer settings (shared with benchmarks/demo_step_time.py):
+    (model_path, tokenizer, train_rows, heldout_rows, reward_fn, max_new_tokens, config, peft_config)."""
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if a.tiny:
         from trl_rpp.testing.tiny import build_tiny_model
@@ -172,14 +182,12 @@ def main(argv=None):
             r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
             task_type="CAUSAL_LM",
         )
-    print(f"[demo] model ready at {model_path} ({time.time() - t0:.0f} s)", flush=True)
+    return model_path, tokenizer, train_rows, heldout_rows, reward_fn, max_new, config, peft_config
 
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    before = greedy_accuracy(base, tokenizer, heldout_rows, reward_fn, max_new)
-    del base
-    print(f"[demo] held-out greedy accuracy before training: {before:.3f} ({time.time() - t0:.0f} s)", flush=True)
 
-    args = RPPConfig(
+def demo_trainer_args(a, output_dir, config, **overrides):
+    """The demo's `RPPConfig` keyword arguments (`overrides` for the benchmark's arms)."""
+    kwargs = dict(
         output_dir=output_dir,
         advantage_estimator="reinforce_plus_plus_baseline",
         use_cpu=True,
@@ -192,6 +200,41 @@ def main(argv=None):
         disable_dropout=True,
         **config,
     )
+    return {**kwargs, **overrides}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny random-init model and the copy task (under a minute)")
+    p.add_argument("--output_dir", default=None, help="default: outputs/demo or outputs/demo-tiny")
+    p.add_argument("--max_steps", type=int, default=None, help="default: 16 (SmolLM2) or 150 (--tiny)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: the cores free at start, from the load average; see above)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--learning_rate", type=float, default=None, help="default: 5e-4 (SmolLM2, LoRA) or 3e-3 (--tiny)")
+    a = p.parse_args(argv)
+    if a.threads is None:
+        a.threads, why = _auto_threads()
+        print(f"[demo] torch threads: {a.threads} ({why}; --threads overrides)", flush=True)
+    torch.set_num_threads(a.threads)
+    t0 = time.time()
+    output_dir = a.output_dir or ("outputs/demo-tiny" if a.tiny else "outputs/demo")
+    os.makedirs(output_dir, exist_ok=True)
+    os.environ.setdefault("WANDB_DIR", os.path.abspath(output_dir))
+    os.environ.setdefault("WANDB_PROJECT", "trl_rpp-demo")
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    model_path, tokenizer, train_rows, heldout_rows, reward_fn, max_new, config, peft_config = demo_setup(a, output_dir)
+    print(f"[demo] model ready at {model_path} ({time.time() - t0:.0f} s)", flush=True)
+
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    before = greedy_accuracy(base, tokenizer, heldout_rows, reward_fn, max_new)
+    del base
+    print(f"[demo] held-out greedy accuracy before training: {before:.3f} ({time.time() - t0:.0f} s)", flush=True)
+
+    args = RPPConfig(**demo_trainer_args(a, output_dir, config))
     trainer = RPPTrainer(
         model=model_path,
         reward_funcs=reward_fn,

@@ -77,6 +77,17 @@ def test_demo_threads_are_the_free_cores(cores, load, threads):
     assert _demo_module().default_threads(cores, load) == threads
 
 
+def test_demo_busy_cores_reads_per_cpu_idle_time():
+    """/proc/stat counts: cpu0 fully busy, cpu1 idle, cpu2 half busy (iowait counts as idle) between the readings;
+    the aggregate `cpu` line and cores outside the affinity mask are not counted."""
+    before = "cpu  9 9 9 9 9\ncpu0 10 0 5 100 0 0\ncpu1 10 0 0 100 0 0\ncpu2 0 0 0 0 0 0\nintr 5\n"
+    after = "cpu  0 0 0 0 0\ncpu0 90 0 25 100 0 0\ncpu1 10 0 0 200 0 0\ncpu2 30 10 10 30 20 0\nintr 9\n"
+    busy = _demo_module().busy_cores
+    assert busy(before, after, [0, 1, 2]) == pytest.approx(1.5)
+    assert busy(before, after, [1]) == 0.0 and busy(before, after, [0, 7]) == 1.0
+    assert _demo_module().default_threads(2, busy(before, after, [0, 1])) == 1
+
+
 def test_core_benchmark_runs_small():
     stdout = run(["benchmarks/core.py", "--B", "8", "--T", "64", "--repeats", "1"])
     assert "global_masked_normalize" in stdout
@@ -86,6 +97,20 @@ def test_core_benchmark_runs_small():
 def test_step_time_benchmark_runs_small():
     stdout = run(["benchmarks/step_time.py", "--rounds", "1", "--steps", "2", "--batch", "8", "--hidden", "32"])
     assert "| rpp_baseline |" in stdout and "| grpo_beta0.04 |" in stdout
+
+
+@pytest.mark.slow
+def test_demo_step_time_benchmark_runs_small(tmp_path):
+    """The demo's step breakdown, on the demo's --tiny set-up: every part is timed and they add up to the step."""
+    out = tmp_path / "r.json"
+    run(["benchmarks/demo_step_time.py", "--tiny", "--rounds", "1", "--steps", "2", "--threads", "1", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert set(result["arms"]) == {"gradient_checkpointing=True (TRL default)", "gradient_checkpointing=False"}
+    for parts in result["arms"].values():
+        assert all(parts[k] >= 0 for k in parts), parts
+        total = sum(v for k, v in parts.items() if k != "step")
+        assert abs(total - parts["step"]) < 1e-6 * max(parts["step"], 1.0), parts
+    assert result["eval_base_s"] > 0 and result["eval_trained_s"] > 0
 
 
 @pytest.mark.slow
