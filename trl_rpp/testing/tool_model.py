@@ -102,13 +102,13 @@ def tool_dataset(n: int, seed: int = 0, greeting_every: int = 0):
 
 
 def correct_product_reward(completions, a, b, **kwargs):
-    """1.0 when the last assistant message states the product ``a * b`` (0.0 otherwise; a greeting scores 1.0 when
-    it is answered with "Hello!")."""
+    """1.0 when the last assistant message ends with "The answer is {a * b}." (0.0 otherwise; a greeting scores 1.0
+    when answered with "Hello!"). "Ends with": a `rollout_func`'s multi-turn completion is parsed as one message."""
     rewards = []
     for messages, x, y in zip(completions, a, b):
         last = next((m.get("content") or "" for m in reversed(messages) if m.get("role") == "assistant"), "")
         want = GREETING_ANSWER if x == y == 0 else f"The answer is {x * y}."
-        rewards.append(1.0 if last.strip() == want else 0.0)
+        rewards.append(1.0 if last.strip().endswith(want) else 0.0)
     return rewards
 
 
