@@ -217,7 +217,7 @@ def test_tool_loop_heads_are_the_sampler_distribution(tool_model, tool_runs, kin
     post_tool = [b for b in range(len(tool_mask)) if (~tool_mask[b] & completion_mask[b]).any()]
     assert any(completion_mask[b].sum() == 41 for b in post_tool), "no post-tool turn was cut"
     assert (tool_mask.all(1) & completion_mask.any(1)).any(), "every row called the tool"
-    check_heads_are_the_sampler(tool_model, batch)
+    print(f"{kind}: largest deviation from the float64 recompute {check_heads_are_the_sampler(tool_model, batch):.3g}")
     logs = [h for h in trainer.state.log_history if "score_centering/coeff_l1" in h]
     assert logs and all(math.isfinite(v) for v in logs[0].values() if isinstance(v, float))
 
@@ -228,7 +228,7 @@ def test_rollout_func_heads_are_the_sampler_distribution(tool_model, tmp_path):
     batch = trainer.generation_batches[0]
     tool_mask, completion_mask = batch["tool_mask"].bool(), batch["completion_mask"].bool()
     assert (~tool_mask & completion_mask).any(), "the environment never replied"
-    check_heads_are_the_sampler(tool_model, batch)
+    print(f"rollout_func: largest deviation from the float64 recompute {check_heads_are_the_sampler(tool_model, batch):.3g}")
 
 
 def fill_holes(batch, seed=0):
@@ -291,6 +291,7 @@ def test_centered_gradient_at_model_tokens_is_the_single_turn_formula_and_holes_
             want[b, t] = -advantages[b, t] * expected_centered_score(p, q, head, y) / (TEMPERATURE * B * n)
     assert (~mask).any() and (grad[~mask] == 0).all()
     deviation = (grad - want).abs().max().item()
+    print(f"centered gradient: largest deviation {deviation:.3g} (largest entry {want.abs().max().item():.3g})")
     assert deviation < 1e-12 * max(want.abs().max().item(), 1.0), deviation
 
     # NaN/Inf and arbitrary ids at the holes: the same gradient, bit for bit.
@@ -335,7 +336,7 @@ def test_rollout_func_without_top_k_lists_is_rejected_before_any_forward(tiny_mo
                          train_dataset=copy_task_dataset(8), rollout_func=rollout_func)
     forwards = []
     trainer.model.register_forward_hook(lambda *a: forwards.append(1))
-    with pytest.raises(ValueError, match=r"rollout_func must return .*'logprob_token_ids'.*score_centering_top_k = 8"):
+    with pytest.raises(ValueError, match=r"rollout_func must return .*'logprob_token_ids'.*score_centering_top_k = 32"):
         trainer.train()
     assert not forwards
 
