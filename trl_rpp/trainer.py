@@ -12,7 +12,7 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
     _generate_and_score_completions    GRPO's inside `borrowed_beta` (reference log-probs), which calls:
         _generate                      score centering: per-call top-k (or a rollout_func's lists), aligned to the
                                        model tokens of the final completions (`trl_rpp.multi_turn`) -> self._rpp_capture
-          _generate_single_turn        once per turn (TRL's tool loop regenerates): the sampler's top-k -> self._rpp_captures
+          _generate_single_turn        once per turn (the tool loop calls it again): the top-k -> self._rpp_captures
         _calculate_rewards             raw rewards [B_global, n_reward_funcs]      -> self._rpp_rewards_per_func
       then turns the raw rewards into the batch keys below: `_reinforce_pp_advantages` (after a pi_old forward
       through GRPO's `_get_per_token_logps_and_entropies` when k1 shaping needs one), or the group baseline
