@@ -99,7 +99,7 @@ class ProbingTrainer(CaptureTrainer):
     def _probe_topk(self, prompt_ids, completion_ids):
         """The engine's head (parsed by `parse_vllm_topk`) next to the trainer's full distribution at the same
         weights, at every generated position."""
-        ids, head, sampled = self._rpp_capture.tensors(max(len(c) for c in completion_ids))
+        ids, head, sampled = self._rpp_captures[-1].tensors(max(len(c) for c in completion_ids))  # this call's
         k = self.args.score_centering_top_k
         for b, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
             seq = list(prompt) + list(completion)

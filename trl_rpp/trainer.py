@@ -10,7 +10,9 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
     _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step
     -- once per generation batch (GRPO's `_prepare_inputs`) --
     _generate_and_score_completions    GRPO's inside `borrowed_beta` (reference log-probs), which calls:
-        _generate_single_turn          score centering: the sampler's top-k        -> self._rpp_capture
+        _generate                      score centering: per-call top-k (or a rollout_func's lists), aligned to the
+                                       model tokens of the final completions (`trl_rpp.multi_turn`) -> self._rpp_capture
+          _generate_single_turn        once per turn (the tool loop calls it again): the top-k -> self._rpp_captures
         _calculate_rewards             raw rewards [B_global, n_reward_funcs]      -> self._rpp_rewards_per_func
       then turns the raw rewards into the batch keys below: `_reinforce_pp_advantages` (after a pi_old forward
       through GRPO's `_get_per_token_logps_and_entropies` when k1 shaping needs one), or the group baseline
@@ -39,7 +41,6 @@ import torch
 from accelerate.utils import is_peft_model
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
-from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 
 from .checkpoint import buffer_needed, load_generation_buffer, resolve_resume_checkpoint, save_generation_buffer
@@ -51,11 +52,12 @@ from .grad_guard import GradGuardMixin
 from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .preemption import Preemption
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_funcs
-from .sampling import SamplerTopKCapture, capturing_generate, parse_vllm_topk
+from .sampling import SamplerTopKCapture, capturing_generate
 from .score_centering import importance_weight_fn, sampled_and_head_logps, score_centered_ppo_loss
 from .score_centering import score_centering_metric_sums
 from .trainer_utils import FORWARD_KEYS, PolicyForward, borrowed_beta, check_score_centering_support
-from .trainer_utils import empty_batch_message, masked_max, reduce_across_processes, token_mask
+from .trainer_utils import empty_batch_message, generate_vllm_with_topk, masked_max, reduce_across_processes
+from .trainer_utils import sampler_topk_of_generation, token_mask
 from .vllm_engine import use_cpu_weight_sync, vllm_engine_args
 
 
@@ -96,7 +98,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
        `score_centered_ppo_loss`: the same clipped surrogate with every valid token's score centered. The loss
        forward then keeps the completion logits (to read the trainer's log-probs at the sampler's head ids, with no
        further vocabulary-sized copy: `sampled_and_head_logps`) instead of GRPO's fused log-prob head. Extra
-       metrics: `score_centering/*`.
+       metrics: `score_centering/*`. Multi-turn: each call of TRL's tool loop (`tools`, `environment_factory`) is
+       captured and aligned to the completion's model tokens; a `rollout_func` returns `logprob_token_ids` (k wide).
     8. **Checkpoints.** With `steps_per_generation > 1` or `num_iterations > 1` a checkpoint can fall inside a
        generation batch: the buffered batch is saved with it and a resumed run trains on it (GRPO samples a new
        one). An incomplete checkpoint is refused, naming the file, before `Trainer` loads it; with
@@ -152,7 +155,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         if args.score_centering and args.use_vllm:
             self.vllm_generation.logprobs = k  # top-k per token, plus the sampled token when outside them
         self._rpp_rewards_per_func = None
-        self._rpp_capture = None
+        self._rpp_capture, self._rpp_captures = None, []
         # False forces REINFORCE++ returns to be built at generation, with an old-policy forward; both paths give
         # the same numbers (tests/test_trainer.py compares them).
         self._rpp_allow_deferred_returns = True
@@ -216,26 +219,20 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
         if not self.args.score_centering:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
-        if self.use_vllm:
-            return self._generate_vllm_with_topk(prompt_ids, images, num_generations)
+        if self.use_vllm:  # the top-k lists, and the sampled token's log-prob selected by id
+            return generate_vllm_with_topk(self, prompt_ids, images, num_generations)
         capture = SamplerTopKCapture(self.args.score_centering_top_k, self.temperature)
         with capturing_generate(self.accelerator.unwrap_model(self.model_wrapped), capture):
             out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
-        self._rpp_capture = capture
+        self._rpp_captures.append(capture)
         return out
 
-    def _generate_vllm_with_topk(self, prompt_ids, images, num_generations):
-        """GRPO's vLLM branch, keeping the top-k lists and selecting the sampled token's log-prob by id."""
-        if self.state.global_step != self._last_loaded_step:
-            with profiling_context(self, "sync_weights"):
-                self.vllm_generation.sync_weights()
-            self._last_loaded_step = self.state.global_step
-        _, completion_ids, logprobs, token_ids = self.vllm_generation.generate(
-            prompts=prompt_ids, images=images, num_generations=num_generations,
-            profiler=profiling_context(self, "vLLM.generate"),
-        )
-        sampled, self._rpp_capture = parse_vllm_topk(completion_ids, logprobs, token_ids, self.args.score_centering_top_k)
-        return completion_ids, sampled
+    def _generate(self, prompts):
+        self._rpp_captures = []  # one per `generate` call: the first turn, then each tool-loop iteration
+        generated = super()._generate(prompts)
+        if self.args.score_centering:  # each model token's top-k (tool loop or rollout_func: `trl_rpp.multi_turn`)
+            generated, self._rpp_capture = sampler_topk_of_generation(self, generated)
+        return generated
 
     def _forward_logps(self, model, batch, **extra):
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)

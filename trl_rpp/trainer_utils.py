@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import check_exact_sampling
+from .multi_turn import align_turn_captures, rollout_sampler_topk
+from .sampling import check_exact_sampling, parse_vllm_topk
 
 # Optional per-batch model inputs (multimodal models) that TRL forwards to `_get_per_token_logps_and_entropies`.
 FORWARD_KEYS = (
@@ -97,9 +98,8 @@ def check_score_centering_support(trainer) -> None:
     """Reject, at construction, the GRPO features whose sampling the top-k capture cannot see, and a model generation
     config that changes the sampling distribution q."""
     unsupported = [
-        ("tools", bool(trainer.tools)),
-        ("environment_factory", trainer.environment_factories is not None),
-        ("rollout_func", trainer.rollout_func is not None),
+        # The rollout's first turn would come with its own lists and the tool loop's turns from `generate`.
+        ("rollout_func together with tools", trainer.rollout_func is not None and bool(trainer.tools)),
         ("a multimodal processing_class", trainer._is_vlm),
         ("an MoE router aux loss", trainer.aux_loss_enabled),
     ]
@@ -107,7 +107,7 @@ def check_score_centering_support(trainer) -> None:
         if present:
             raise ValueError(
                 f"score_centering=True does not support {name}: the sampler's top-k log-probs are captured "
-                "token by token inside a single text `generate` call."
+                "token by token inside text `generate` calls (or returned by a rollout_func without tools)."
             )
     if trainer.use_vllm:
         return  # vLLM samples with the config's settings, already checked by RPPConfig
@@ -115,3 +115,43 @@ def check_score_centering_support(trainer) -> None:
     model = trainer.accelerator.unwrap_model(trainer.model)
     merged = {**model.generation_config.to_dict(), **trainer.generation_kwargs}
     check_exact_sampling(merged, trainer.temperature, where="the model's generation config: ")
+
+
+def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations):
+    """GRPO's vLLM branch of `_generate_single_turn`, keeping the top-k lists (appended to
+    ``trainer._rpp_captures``) and selecting the sampled token's log-prob by id. Returns ``(completion_ids,
+    sampled_logps)`` as GRPO's branch does."""
+    from trl.extras.profiling import profiling_context
+
+    if trainer.state.global_step != trainer._last_loaded_step:
+        with profiling_context(trainer, "sync_weights"):
+            trainer.vllm_generation.sync_weights()
+        trainer._last_loaded_step = trainer.state.global_step
+    _, completion_ids, logprobs, token_ids = trainer.vllm_generation.generate(
+        prompts=prompt_ids, images=images, num_generations=num_generations,
+        profiler=profiling_context(trainer, "vLLM.generate"),
+    )
+    sampled, recorded = parse_vllm_topk(completion_ids, logprobs, token_ids, trainer.args.score_centering_top_k)
+    trainer._rpp_captures.append(recorded)
+    return completion_ids, sampled
+
+
+def sampler_topk_of_generation(trainer, generated):
+    """The sampler's top-k at the model tokens of GRPO's `_generate` output ``generated`` (its 8-tuple).
+
+    Returns ``(generated, capture)``: with a `rollout_func`, its ``logprobs`` (top-k lists, `rollout_sampler_topk`)
+    replaced by the sampled tokens' log-probs that TRL expects, and a `RecordedTopK`; otherwise ``generated``
+    unchanged and the one `generate` call's capture, or, after TRL's tool loop, the calls' captures aligned to the
+    final completions (`align_turn_captures`). ``capture.tensors(T)`` gives the batch tensors.
+    """
+    captures, trainer._rpp_captures = trainer._rpp_captures, []
+    prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = generated
+    if trainer.rollout_func is not None:
+        sampled, recorded = rollout_sampler_topk(
+            completion_ids, logprobs, extra_fields.get("logprob_token_ids"), tool_mask, trainer.args.score_centering_top_k
+        )
+        return (prompt_ids, completion_ids, tool_mask, completions, sampled, extra_fields, images, tool_images), recorded
+    if not trainer.tools:
+        return generated, captures[0]
+    turns = [c.tensors(len(c.ids) if isinstance(c.ids, list) else c.ids.size(1)) for c in captures]
+    return generated, align_turn_captures(turns, tool_mask)

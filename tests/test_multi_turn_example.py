@@ -1,0 +1,28 @@
+"""`examples/multi_turn.py` run end to end as a real subprocess (CPU, offline): the tool loop and the environment
+(`rollout_func`) loop each train with score centering on the tiny tool model; its default of building that model is
+what `tests/tool_model.py` builds (so the test passes the session's copy instead of building it again)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tool_model import tool_model  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_multi_turn_example_runs_both_loops(tool_model, tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    cmd = [sys.executable, str(REPO / "examples" / "multi_turn.py"), "--model_name_or_path", tool_model,
+           "--output_dir", str(tmp_path / "out"), "--max_steps", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    tools = re.search(r"\[tools\] step 1: reward=\S+, tools/call_frequency=([0-9.e+-]+), score_centering/", proc.stdout)
+    assert tools and float(tools.group(1)) > 0, proc.stdout[-3000:]
+    assert re.search(r"\[rollout\] step 1: reward=\S+, score_centering/sampler_head_mass=", proc.stdout), proc.stdout
