@@ -88,7 +88,8 @@ class MultiTurnTrainer(CaptureTrainer):
     def _normalized_advantages(self, mode, raw, mask, old_logps, ref_logps, batch):
         out = super()._normalized_advantages(mode, raw, mask, old_logps, ref_logps, batch)
         m = self._metrics[mode]
-        self.norm_metrics.append({k: m[k][-1] for k in ("advantages/valid_tokens", "advantages/raw_mean")})
+        keys = ("advantages/valid_tokens", "advantages/raw_mean", "ref_kl/k1_mean")
+        self.norm_metrics.append({k: m[k][-1] for k in keys if m.get(k)})
         return out
 
     def _policy_forward(self, model, inputs):

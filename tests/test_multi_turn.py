@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from multi_turn_script import HERE, ESTIMATOR_KW, RecordedRollout, build
+from multi_turn_script import ESTIMATOR_KW, HERE, MultiTurnTrainer, RecordedRollout, build
 from reference import (
     ref_global_masked_normalize,
     ref_group_mean_advantages,
@@ -22,7 +22,7 @@ from reference import (
     ref_response_mean_k2_loss,
     ref_response_mean_ppo_loss,
 )
-from trainer_helpers import initial_model_logps, train_eos_after_a
+from trainer_helpers import initial_model_logps, make_args, train_eos_after_a
 from trl_rpp.rollouts import check_external_mask
 from trl_rpp.testing.tiny import build_tiny_model
 
@@ -77,14 +77,17 @@ def test_multi_turn_advantages_match_reference(tmp_path, tiny_model, estimator, 
         if estimator == "reinforce_plus_plus":
             old, ref = batch["old_per_token_logps"].double().tolist(), batch["ref_per_token_logps"].double().tolist()
             raw = ref_reinforce_pp_returns(rewards, old, ref, model_mask, 0.05, gamma)
-            torch.testing.assert_close(torch.tensor(raw), torch.tensor(
-                explicit_returns(rewards, old, ref, model_mask, 0.05, gamma)), rtol=1e-12, atol=1e-12)
+            explicit = explicit_returns(rewards, old, ref, model_mask, 0.05, gamma)
+            torch.testing.assert_close(torch.tensor(raw), torch.tensor(explicit), rtol=1e-12, atol=1e-12)
             # Counting the environment tokens as model tokens would change the answer once k1 is non-zero there.
-            k1_at_holes |= any(abs(old[i][t] - ref[i][t]) > 1e-4 for i, h in enumerate(holes) for t, x in enumerate(h) if x)
+            k1 = (batch["old_per_token_logps"] - batch["ref_per_token_logps"]).abs()
+            k1_at_holes |= bool((k1 > 1e-4)[torch.tensor(holes, dtype=torch.bool)].any())
             leaky = ref_reinforce_pp_returns(rewards, old, ref, completion, 0.05, gamma)
+            k1_model = [old[i][t] - ref[i][t] for i, row in enumerate(model_mask) for t, v in enumerate(row) if v]
+            assert metrics["ref_kl/k1_mean"] == pytest.approx(sum(k1_model) / len(k1_model), rel=1e-5, abs=1e-7)
         else:
-            raw = ref_group_mean_advantages(rewards, model_mask, args_k(trainer))
-            leaky = ref_group_mean_advantages(rewards, completion, args_k(trainer))
+            raw = ref_group_mean_advantages(rewards, model_mask, trainer.args.num_generations)
+            leaky = ref_group_mean_advantages(rewards, completion, trainer.args.num_generations)
         want, mean, _, count = ref_global_masked_normalize([raw], [model_mask])
         note(f"{estimator} gamma={gamma} advantages", batch["advantages"], want[0])
         torch.testing.assert_close(batch["advantages"].double(), torch.tensor(want[0], dtype=torch.float64), **TOL)
@@ -96,10 +99,6 @@ def test_multi_turn_advantages_match_reference(tmp_path, tiny_model, estimator, 
     if estimator == "reinforce_plus_plus":
         assert k1_at_holes, "pi_old never moved away from pi_ref at an environment token: the k1 exclusion was not tested"
     print(f"\nlargest deviation from the float64 reference: {DEVIATIONS}")
-
-
-def args_k(trainer):
-    return trainer.args.num_generations
 
 
 @pytest.mark.parametrize("estimator", list(ESTIMATOR_KW))
@@ -125,7 +124,8 @@ def test_multi_turn_losses_are_response_means_over_model_tokens(tmp_path, tiny_m
         want = ref_response_mean_ppo_loss(logps.tolist(), old.tolist(), adv, model_mask, eps, eps)
         note(f"{estimator} policy_loss", rec["policy_loss"], want)
         assert rec["policy_loss"].item() == pytest.approx(want, rel=1e-5, abs=1e-6)
-        leaky = ref_response_mean_ppo_loss(logps.tolist(), old.tolist(), adv, inputs["completion_mask"].tolist(), eps, eps)
+        completion = inputs["completion_mask"].tolist()
+        leaky = ref_response_mean_ppo_loss(logps.tolist(), old.tolist(), adv, completion, eps, eps)
         assert abs(leaky - want) > 1e-6, "dividing by the completion length instead of the model tokens must differ"
         if estimator == "reinforce_plus_plus_baseline":
             ref = inputs["ref_per_token_logps"].double().tolist()
@@ -134,7 +134,7 @@ def test_multi_turn_losses_are_response_means_over_model_tokens(tmp_path, tiny_m
             assert rec["kl_loss"].item() == pytest.approx(want_kl, rel=1e-5, abs=1e-9)
             if index >= 2:  # after the first optimizer step the policy has moved: k2 is non-zero at every token
                 assert want_kl > 0
-                assert abs(ref_response_mean_k2_loss(logps.tolist(), ref, inputs["completion_mask"].tolist()) - want_kl) > 1e-9
+                assert abs(ref_response_mean_k2_loss(logps.tolist(), ref, completion) - want_kl) > 1e-9
         else:
             assert "kl_loss" not in rec
     print(f"\nlargest deviation from the float64 reference: {DEVIATIONS}")
@@ -228,7 +228,8 @@ def test_env_mask_of_wrong_length_is_an_error_naming_the_row(tmp_path, tiny_mode
     with pytest.raises(ValueError) as err:
         trainer.train()
     short, full = seen["lengths"]
-    assert f"rollout_func returned env_mask row 1 of length {short} for completion_ids row 1 of length {full}" in str(err.value)
+    want = f"rollout_func returned env_mask row 1 of length {short} for completion_ids row 1 of length {full}"
+    assert want in str(err.value)
     assert trainer.captured_rewards == []  # refused before the reward functions ran
 
 
@@ -247,12 +248,29 @@ def test_check_external_mask_rejects_misaligned_rows():
     ids = [[5, 6, 7], [8, 9]]
     check_external_mask([[1, 0, 1], [True, False]], ids, "tool_mask", "TRL's tool-calling loop")
     check_external_mask([torch.tensor([1, 0, 1]), (1.0, 0.0)], ids, "env_mask", "rollout_func")
-    with pytest.raises(ValueError, match=r"TRL's tool-calling loop returned tool_mask row 1 of length 3 for completion_ids row 1 of length 2"):
+    want = r"TRL's tool-calling loop returned tool_mask row 1 of length 3 for completion_ids row 1 of length 2"
+    with pytest.raises(ValueError, match=want):
         check_external_mask([[1, 0, 1], [1, 0, 1]], ids, "tool_mask", "TRL's tool-calling loop")
     with pytest.raises(ValueError, match=r"rollout_func returned 1 env_mask rows for 2 completions"):
         check_external_mask([[1, 0, 1]], ids, "env_mask", "rollout_func")
     with pytest.raises(ValueError, match=r"env_mask row 0 holding None"):
         check_external_mask([[1, None, 1], [1, 1]], ids, "env_mask", "rollout_func")
+
+
+def test_tool_call_loop_returns_what_the_check_reads():
+    """`install_rollout_checks` wraps GRPO's private `_tool_call_loop` and reads its first three results
+    (tool_mask, completions, completion_ids): a TRL that changes them must fail here, not misread the masks."""
+    import inspect
+
+    from trl import GRPOTrainer
+
+    params = list(inspect.signature(GRPOTrainer._tool_call_loop).parameters)
+    assert params == ["self", "prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images",
+                      "multimodal_fields"]
+    # The method's own returns (8 spaces in), not those of the helpers nested in it.
+    returns = [line.strip() for line in inspect.getsource(GRPOTrainer._tool_call_loop).splitlines()
+               if line.startswith("        return ")]
+    assert returns and all(r.startswith("return tool_mask, completions, completion_ids,") for r in returns), returns
 
 
 def test_logprobs_row_of_wrong_length_is_an_error(tmp_path, tiny_model):
@@ -315,4 +333,77 @@ def test_two_process_multi_turn_matches_global_reference(tmp_path):
             local, _, _, _ = ref_global_masked_normalize([raws[0]], [masks[0]])
             differs.append((torch.tensor(local[0]) - torch.tensor(want[0])).abs().max().item() > 1e-4)
         assert any(differs), "normalizing rank 0 alone gives the same answer: the global check is vacuous"
+    print(f"\nlargest deviation from the float64 reference: {DEVIATIONS}")
+
+
+@pytest.fixture(scope="module")
+def tool_model_path(tmp_path_factory):
+    """The tiny tool-calling model of `trl_rpp.testing.tool_model` (byte-level BPE, TRL's Qwen3 template, a warm-up
+    that teaches it to call `multiply`): TRL's tool loop needs a tokenizer whose chat template renders tool calls and
+    that TRL can parse them for, and a model that emits them. Same folder as the session fixture of
+    tests/tool_model.py, so the build (~30 s) runs once per session."""
+    tool_model = pytest.importorskip("trl_rpp.testing.tool_model", reason="the tiny tool-calling model is not here")
+    return tool_model.build_tool_model(tmp_path_factory.getbasetemp() / "tool_model")
+
+
+TOOL_TURN = r"\n<\|im_start\|>user\n<tool_response>\n[^<]*\n</tool_response><\|im_end\|>\n<\|im_start\|>assistant\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", list(ESTIMATOR_KW))
+def test_environment_factory_tool_results_are_holes(tmp_path, tool_model_path, estimator):
+    """`environment_factory` through TRL's real tool loop: the tokens with tool_mask 0 are exactly the rendered tool
+    turns (checked on the decoded text), the tool loop's output passed the alignment check, and advantages,
+    advantages/valid_tokens and the gradient treat those tokens as holes, against the float64 reference."""
+    import random
+    import re
+
+    from trl_rpp.testing.tool_model import MultiplyEnv, correct_product_reward, tool_dataset
+
+    torch.set_num_threads(1)
+    # A small learning rate: pi_old moves off pi_ref (k1 non-zero at the tool tokens) and the model still calls tools.
+    args = make_args(tmp_path, estimator, max_steps=2, max_completion_length=64,
+                     learning_rate=1e-3, **ESTIMATOR_KW[estimator])
+    # The warmed-up model samples nearly the same completion four times per prompt: a seeded noisy judge (second
+    # reward function) gives the group mean something to center.
+    rng = random.Random(0)
+
+    def noisy_judge(completions, **kwargs):
+        return [rng.random() for _ in completions]
+
+    trainer = MultiTurnTrainer(model=tool_model_path, reward_funcs=[correct_product_reward, noisy_judge], args=args,
+                               train_dataset=tool_dataset(32, greeting_every=4), environment_factory=MultiplyEnv)
+    assert hasattr(trainer._tool_call_loop, "__wrapped__"), "the tool loop's tool_mask is checked"
+    trainer.train()
+    tok = trainer.processing_class
+    tool_batches, k1_at_holes = 0, False
+    for batch, rpf, metrics in zip(trainer.generation_batches, trainer.captured_rewards, trainer.norm_metrics):
+        completion, tool = batch["completion_mask"].bool(), batch["tool_mask"].bool()
+        for i in range(completion.size(0)):
+            ids = batch["completion_ids"][i][completion[i]].tolist()
+            holes = [t for t, m in zip(ids, tool[i][completion[i]].tolist()) if not m]
+            model = [t for t, m in zip(ids, tool[i][completion[i]].tolist()) if m]
+            assert "<tool_response>" not in tok.decode(model)
+            if holes:
+                assert re.fullmatch(f"({TOOL_TURN})+", tok.decode(holes)), tok.decode(holes)
+        mask = (completion & tool).int().tolist()
+        rewards = rewards_of(rpf)
+        if estimator == "reinforce_plus_plus":
+            old, ref = batch["old_per_token_logps"].double().tolist(), batch["ref_per_token_logps"].double().tolist()
+            raw = ref_reinforce_pp_returns(rewards, old, ref, mask, 0.05, 0.9)
+            k1 = batch["old_per_token_logps"] - batch["ref_per_token_logps"]
+            k1_at_holes |= bool((k1.abs() > 1e-4)[completion & ~tool].any())
+        else:
+            raw = ref_group_mean_advantages(rewards, mask, trainer.args.num_generations)
+        want, _, _, count = ref_global_masked_normalize([raw], [mask])
+        note(f"{estimator} environment_factory advantages", batch["advantages"], want[0])
+        torch.testing.assert_close(batch["advantages"].double(), torch.tensor(want[0], dtype=torch.float64), **TOL)
+        assert metrics["advantages/valid_tokens"] == count == (completion & tool).sum().item()
+        tool_batches += bool((completion & ~tool).any())
+    assert tool_batches == len(trainer.generation_batches) == 2, "a batch without any tool call: the set-up failed"
+    if estimator == "reinforce_plus_plus":
+        assert k1_at_holes
+    for inputs, g_logp in zip(trainer.loss_inputs, trainer.logp_grads):
+        holes = inputs["completion_mask"].bool() & ~inputs["tool_mask"].bool()
+        assert torch.equal(g_logp[holes], torch.zeros_like(g_logp[holes]))
     print(f"\nlargest deviation from the float64 reference: {DEVIATIONS}")
