@@ -50,8 +50,8 @@ from .distributed import check_normalization_group
 from .grad_guard import GradGuardMixin
 from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .preemption import Preemption
-from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_funcs
 from .rollouts import install_rollout_checks
+from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_funcs
 from .sampling import SamplerTopKCapture, capturing_generate, parse_vllm_topk
 from .score_centering import importance_weight_fn, sampled_and_head_logps, score_centered_ppo_loss
 from .score_centering import score_centering_metric_sums
