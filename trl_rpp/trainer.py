@@ -51,6 +51,7 @@ from .distributed import check_normalization_group
 from .grad_guard import GradGuardMixin
 from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .preemption import Preemption
+from .rollouts import install_rollout_checks
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_funcs
 from .sampling import SamplerTopKCapture, capturing_generate
 from .score_centering import importance_weight_fn, sampled_and_head_logps, score_centered_ppo_loss
@@ -143,6 +144,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         with borrowed_beta(args, self._rpp_needs_ref), vllm_engine_args(vllm_logprobs, args.vllm_dtype):
             super().__init__(model, reward_funcs, args, **kwargs)
         self.beta = 0.0
+        install_rollout_checks(self)  # env_mask / tool_mask rows must match their completions (trl_rpp.rollouts)
         self._rpp_preemption = Preemption(self, args.preemption_signals)
         check_normalization_group(self.accelerator.parallelism_config)
         if self._rpp_needs_ref and self.ref_model is None and not is_peft_model(self.model):
