@@ -26,3 +26,12 @@ def test_multi_turn_example_runs_both_loops(tool_model, tmp_path):
     tools = re.search(r"\[tools\] step 1: reward=\S+, tools/call_frequency=([0-9.e+-]+), score_centering/", proc.stdout)
     assert tools and float(tools.group(1)) > 0, proc.stdout[-3000:]
     assert re.search(r"\[rollout\] step 1: reward=\S+, score_centering/sampler_head_mass=", proc.stdout), proc.stdout
+
+
+def test_multi_turn_example_help_runs_as_in_the_readme():
+    """The README's `python examples/multi_turn.py --help`, as written."""
+    readme = (REPO / "README.md").read_text()
+    assert "`python examples/multi_turn.py --help`" in readme
+    proc = subprocess.run([sys.executable, "examples/multi_turn.py", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "--model_name_or_path" in proc.stdout, proc.stderr[-2000:]
