@@ -3,8 +3,9 @@
     python benchmarks/demo_step_time.py                    # SmolLM2 + LoRA as in examples/demo.py, 2 threads
     python benchmarks/demo_step_time.py --threads 1 --rounds 1 --steps 2
 
-Each arm trains with exactly the demo's settings (`examples/demo.py`: `demo_setup`, `demo_trainer_args`), except
-`gradient_checkpointing`, which TRL's GRPOConfig turns on by default. Arms alternate within one process, `--rounds`
+Each arm trains with the demo's settings (`examples/demo.py`: `demo_setup`, `demo_trainer_args`), except that the
+KL loss is on in both (REINFORCE++-baseline's default, which the demo turns off: its reference forward is one of the
+parts measured) and `gradient_checkpointing` is on (TRL's default) in one arm and off in the other. Arms alternate within one process, `--rounds`
 x `--steps` optimizer steps each, the first step of every round dropped as warm-up. A step is split by timing the
 trainer's own methods:
 
@@ -99,7 +100,7 @@ def run_arm(demo, ns, setup, gradient_checkpointing, steps, out):
     from datasets import Dataset
 
     kw = demo.demo_trainer_args(ns, out, dict(config, max_steps=steps, logging_steps=1), report_to="none",
-                                gradient_checkpointing=gradient_checkpointing)
+                                gradient_checkpointing=gradient_checkpointing, use_kl_loss=True)
     timings = Timings()
     trainer = RPPTrainer(model=model_path, reward_funcs=reward_fn, args=RPPConfig(**kw),
                          train_dataset=Dataset.from_list(train_rows), processing_class=tokenizer,
