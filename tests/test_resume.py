@@ -123,7 +123,9 @@ def test_sigkill_during_checkpoint_write(tmp_path, kill_reference, point):
     else:
         assert buffer in files and ("trainer_state.json" in files) == (point in ("state_half", "rotate_start")), files
 
-    if KILL_CASES[point] == "skipped":
+    # The refusal of a named torn checkpoint reads the same files for every point (tests/test_checkpoint.py tears
+    # each one): here it runs for the first and the last file of the write, which spares CI a process per point.
+    if KILL_CASES[point] == "skipped" and point in ("buffer_half", "state_half"):
         named = subprocess.run(script("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--resume_from",
                                       checkpoint4), env=ENV, capture_output=True, text=True, timeout=600)
         assert named.returncode != 0
