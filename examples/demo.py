@@ -6,19 +6,27 @@
 Task: "What is a + b? Answer with just the number." with a in 0..99 and b in 0..20, the assistant turn pre-filled
 with "a + b =" (without the pre-fill the model echoes the operands). Reward: 1 if the first integer of the
 completion is the sum. A 128-prompt held-out split is scored greedily before and after training. LoRA r=16,
-alpha 32 on the attention projections, lr 5e-4, 8 prompts x 4 generations, at most 6 new tokens, 16 steps:
-measured here from an empty cache, held-out accuracy 0.31 -> 0.82 in 6 min 6 s on 2 cores.
+alpha 32 on the attention projections, lr 5e-4, 8 prompts x 4 generations, at most 6 new tokens, 16 steps, no KL
+loss and no gradient checkpointing (below). Measured on a fresh clone, 2 idle cores, 2 threads, from an empty
+cache: held-out accuracy 0.31 -> 0.77, 8 min 39 s wall clock (498.6 s in the script: 42 s to convert the GGUF
+file, 20 s per held-out evaluation, about 25 s per training step).
+
+Where a step went (`python benchmarks/demo_step_time.py`, 2 threads, with the KL loss on): generation 5.4 s, the
+KL loss's reference forward 5.6 s, the policy forward 6.8 s, its backward 12.0 s, of 29.8 s. Gradient
+checkpointing (TRL's default) changed nothing measurable (29.8 s on, 29.5 s off). So the demo turns both off: the
+reference forward buys nothing in 16 LoRA steps, where the adapter stays close to the base model; the previous
+configuration (KL loss on) reached 0.82 on the same prompts in the same 16 steps, one seed each.
 
 Everything lands in --output_dir: the LoRA checkpoint and its model card (README.md), metrics.jsonl (the trainer's
 log history), learning_curve.png (reward per step with a moving average), summary.json and the offline wandb run.
 
 Threads: on an idle 2-core machine 2 torch threads were about 1.7x faster than 1 (greedy eval of 128 prompts: 10.9 s
 vs 18.1 s). With one other busy process on the same 2 cores, the former every-core default was measured at about
-100 s per training step instead of about 16. The default is therefore the cores free when the demo starts (`default_threads`): the usable cores
-(`os.sched_getaffinity`) minus the processes already running (the 1-minute load average, rounded), at least 1.
-The load average lags by up to a minute and does not see work that starts later; `--threads N` overrides it.
-Measured with one busy process (`python3 -c "while True: pass"`, 1-minute load 1.04) and `--max_steps 2`, back to
-back: the default chose 1 thread, 34.9 s per training step (119.8 s in all) vs 48.8 s (166.2 s) with `--threads 2`.
+100 s per training step instead of about 16. The default is therefore the cores free when the demo starts
+(`default_threads`): the usable cores (`os.sched_getaffinity`) minus those busy over one second of /proc/stat
+(`busy_cores`), at least 1. The 1-minute load average, used before, still counted a `make test` that had just
+ended and chose 1 thread on an idle machine (88-92 s per step, about 27 minutes in all). Work that starts later is
+not seen; `--threads N` overrides the choice.
 """
 
 from __future__ import annotations
@@ -212,7 +220,7 @@ def main(argv=None):
     p.add_argument("--output_dir", default=None, help="default: outputs/demo or outputs/demo-tiny")
     p.add_argument("--max_steps", type=int, default=None, help="default: 16 (SmolLM2) or 150 (--tiny)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: the cores free at start, from the load average; see above)")
+                   help="torch threads (default: the cores idle at start, from /proc/stat; see above)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--learning_rate", type=float, default=None, help="default: 5e-4 (SmolLM2, LoRA) or 3e-3 (--tiny)")
     a = p.parse_args(argv)
