@@ -1,24 +1,36 @@
-"""Equal-budget comparison: REINFORCE++, REINFORCE++-baseline and trl.GRPOTrainer on SmolLM2-135M-Instruct.
+"""Equal-budget comparison: REINFORCE++, REINFORCE++-baseline and trl.GRPOTrainer (docs/evidence.md).
 
     python benchmarks/compare_estimators.py                       # 5 seeds x 4 arms, resumable
     python benchmarks/compare_estimators.py --seeds 0 --steps 2 --tiny --out /tmp/cmp   # smoke run
+    python benchmarks/compare_estimators.py --study noise --tiny  # study 1 (and 3) on the tiny model
+    python benchmarks/compare_estimators.py --study drift         # study 2: long-horizon sampler drift, tiny model
+    python benchmarks/compare_estimators.py --report              # every table and figure from the result files
 
-Arms (same prompts per step, generations per prompt, steps, learning rate, LoRA adapter and seeds):
+Arms (same prompts per step, generations per prompt, steps, learning rate, adapter and seeds):
 
 - `rpp`: `RPPTrainer`, `advantage_estimator="reinforce_plus_plus"` (its recipe: k1 in the reward, kl_coef 0.01);
 - `rpp_baseline`: `RPPTrainer`, `"reinforce_plus_plus_baseline"` (its recipe: k2 loss, kl_loss_coef 0.01);
 - `grpo`: `trl.GRPOTrainer` with its defaults (loss_type "dapo", scale_rewards "group", beta 0);
-- `grpo_noscale`: the same with `scale_rewards="none"`.
+- `grpo_noscale`, `grpo_batch`: the same with `scale_rewards="none"` or `"batch"`.
 
-Second table (`--arms mismatch_none,mismatch_tis,mismatch_sc`): REINFORCE++-baseline with a sampler that adds a fixed
-`N(0, sigma^2)` bias to every logit, uncorrected, with TRL's importance-sampling correction, or with score
-centering (see `mismatch_trainer`).
+Sampler-mismatch arms (`mismatch_none,mismatch_tis,mismatch_sc,mismatch_both`): REINFORCE++-baseline with a sampler
+that adds a fixed `N(0, sigma^2)` bias to every logit, uncorrected, with TRL's importance-sampling correction, with
+score centering, or with both (see `mismatch_trainer`).
+
+Studies (`--study`), each a grid of conditions, each condition a directory of `<arm>/seed<k>` runs:
+
+- `noise` (study 1, and study 3's out-of-distribution scores): the correctness reward plus i.i.d. `N(0, sigma^2)`
+  noise (`sigma0`, `sigma0.1`, `sigma0.3`) or plus a 0.1 format bonus (`format0.1`); held-out accuracy is always
+  scored on the correctness reward alone. Logged per step: the share of the advantage mass on groups whose
+  correctness rewards are all equal (`reward_noise/tied_group_adv_share`).
+- `drift` (study 2): the tiny model, full fine-tuning, hundreds of steps, the mismatch arms at each `--bias_sigmas`
+  (`bias<sigma>`; `bias0` is the run without a bias).
 
 Every (arm, seed) runs in its own process, so each has its own peak RSS, and the sweep visits the arms in turn
-for each seed so that machine load hits them alike. A run that finished left `summary.json` in
-`<out>/<arm>/seed<k>/` and is skipped when the sweep is started again, so a long sweep can run in pieces. Raw
-per-step metrics (the trainer's log history) are in `metrics.jsonl` next to it. `--report` (after the runs)
-writes the figures and `<out>/report.json` that docs/evidence.md is written from.
+for each seed so that machine load hits them alike (`--jobs 2` runs two at once, each on `--threads` threads). A
+run that finished left `summary.json` in its directory and is skipped when the sweep is started again, so a long
+sweep can run in pieces. Raw per-step metrics (the trainer's log history) are in `metrics.jsonl` next to it.
+`--report` writes the figures and the `report.json`/`report.md` that docs/evidence.md is written from.
 """
 
 from __future__ import annotations
@@ -27,15 +39,33 @@ import argparse
 import json
 import math
 import os
+import random
+import re
 import resource
+import shutil
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 ARMS = ("rpp", "rpp_baseline", "grpo", "grpo_noscale")
 # Second table: REINFORCE++-baseline under an induced sampler mismatch, with each correction (see `mismatch_trainer`).
 MISMATCH_ARMS = ("mismatch_none", "mismatch_tis", "mismatch_sc")
+DRIFT_ARMS = MISMATCH_ARMS + ("mismatch_both",)
+NOISE_ARMS = ("rpp_baseline", "rpp", "grpo", "grpo_batch")
+ALL_ARMS = ARMS + ("grpo_batch",) + DRIFT_ARMS
+# Study 1: what is added to the correctness reward in each condition (held-out accuracy never sees it).
+NOISE_CONDITIONS = {
+    "sigma0": dict(reward_noise=0.0, format_bonus=0.0),
+    "sigma0.1": dict(reward_noise=0.1, format_bonus=0.0),
+    "sigma0.3": dict(reward_noise=0.3, format_bonus=0.0),
+    "format0.1": dict(reward_noise=0.0, format_bonus=0.1),
+}
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Chosen from the pilot runs of docs/evidence.md (study 1 on the tiny model; study 2's bias sweep).
+STUDY1_TINY_STEPS, STUDY1_TINY_LR = 150, 3e-3
+STUDY2_STEPS, STUDY2_LR, STUDY2_SIGMA = 300, 3e-3, 2.0
+RESULTS = "benchmarks/results/compare_estimators"
 
 
 def mismatch_trainer(base, correction, sigma, bias_seed=1234):
@@ -50,7 +80,10 @@ def mismatch_trainer(base, correction, sigma, bias_seed=1234):
     - ``"tis"``: TRL's vLLM importance-sampling correction with its defaults (``sequence_mask``, clip_max 3.0): each
       sequence's loss is weighted by ``exp(sum_t log p_old - log q)``, or by 0 where that exceeds 3. TRL applies it
       only with vLLM; this is the same formula on the transformers path, with q recorded during `generate`;
-    - ``"sc"``: score centering (``score_centering=True`` in the config).
+    - ``"sc"``: score centering (``score_centering=True`` in the config);
+    - ``"both"``: score centering and TRL's token-level correction, ``token_truncate`` with clip_max 3.0 (score
+      centering rejects the sequence-level modes: one weight per response has no per-token form to center), with
+      the correction's coefficients reweighted as with vLLM (docs/score_centering.md).
 
     Every arm also runs one no-grad forward per generation batch for the mismatch metrics (``"tis"`` needs it for
     the ratio anyway), so their step times stay comparable.
@@ -59,6 +92,7 @@ def mismatch_trainer(base, correction, sigma, bias_seed=1234):
     from transformers import LogitsProcessor
 
     from trl_rpp.sampling import SamplerTopKCapture, capturing_generate, generate_with_processor
+    from trl_rpp.score_centering import importance_weight_fn
 
     class AddFixedBias(LogitsProcessor):
         def __init__(self):
@@ -72,6 +106,15 @@ def mismatch_trainer(base, correction, sigma, bias_seed=1234):
 
     class MismatchedSamplerTrainer(base):
         _bias = AddFixedBias()
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if correction == "both":  # what RPPTrainer sets from the config when TRL's correction runs with vLLM
+                self._rpp_weight_fn = importance_weight_fn(SimpleNamespace(
+                    use_vllm=True, vllm_importance_sampling_correction=True,
+                    vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=None,
+                    vllm_importance_sampling_clip_max=3.0,
+                ))
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
             model = self.accelerator.unwrap_model(self.model_wrapped)
@@ -104,20 +147,152 @@ def mismatch_trainer(base, correction, sigma, bias_seed=1234):
                 batch["old_per_token_logps"] = old
                 batch["importance_sampling_ratio"] = ratio
                 m["mismatch/is_masked_fraction"].append((ratio == 0).float().mean().item())
+            elif correction == "both":
+                ratio = torch.exp(diff)  # [B, T], TRL's token-level ratio; 1 at padding (diff is 0 there)
+                m["mismatch/is_truncated_fraction"].append(((ratio > 3.0) & mask).sum().item() / max(mask.sum().item(), 1))
+                batch["old_per_token_logps"] = old
+                batch["importance_sampling_ratio"] = ratio.clamp(max=3.0)  # token_truncate, clip_max 3.0
             return batch
 
     MismatchedSamplerTrainer.__name__ = f"MismatchedSampler{correction.upper()}Trainer"
     return MismatchedSamplerTrainer
 
 
+def perturbed_reward(correctness, format_ok, noise, bonus, seed, stash):
+    """The training reward of study 1: ``correctness + bonus * format_ok + N(0, noise^2)`` per completion.
+
+    The noise is drawn from its own generator (seeded per run, so the arms of one seed start from the same draws);
+    the noise-free correctness rewards of each call are appended to `stash` for `with_tied_group_share`.
+    """
+    rng = random.Random(10_007 * seed + 1)
+
+    def reward(completions, answer, **kwargs):
+        clean = correctness(completions, answer)
+        stash.append(clean)
+        return [c + bonus * format_ok(text) + (rng.gauss(0.0, noise) if noise else 0.0)
+                for c, text in zip(clean, completions)]
+
+    reward.__name__ = correctness.__name__  # the same `rewards/<name>/*` metrics as the unperturbed runs
+    return reward
+
+
+def tied_group_rows(clean_rewards, num_generations):
+    """``[B]`` bool: the rows of groups (``num_generations`` consecutive rows) whose rewards are all equal."""
+    groups = clean_rewards.view(-1, num_generations)
+    return (groups.max(1).values == groups.min(1).values).repeat_interleave(num_generations)
+
+
+def tied_group_adv_share(advantages, mask, tied):
+    """sum |A| over the valid tokens of the `tied` rows / sum |A| over all valid tokens (0 when that is 0).
+
+    advantages: ``[B]`` (one per completion, GRPO) or ``[B, T]`` (per token, RPP); mask: ``[B, T]`` bool, the valid
+    completion tokens; tied: ``[B]`` bool. Masked positions never count, whatever they hold (NaN included).
+    """
+    import torch
+
+    per_token = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand_as(mask)
+    mass = torch.where(mask, per_token.abs(), torch.zeros((), dtype=per_token.dtype))
+    total = mass.sum()
+    return torch.where(total > 0, mass[tied].sum() / total.clamp(min=torch.finfo(mass.dtype).tiny), torch.zeros(()))
+
+
+def with_tied_group_share(base, stash, num_generations):
+    """`base` (GRPOTrainer or RPPTrainer) that logs study 1's mechanism metric at every step.
+
+    ``reward_noise/tied_group_adv_share``: sum |A| over the valid tokens of groups whose *noise-free* rewards are
+    all equal, divided by sum |A| over all valid tokens, with A the advantages the loss uses (GRPO's ``[B]``
+    broadcast over each completion's tokens, RPP's ``[B, T]``). Those groups carry no correctness signal, so the
+    share is the part of the update that only the perturbation made. ``reward_noise/clean_reward`` is the
+    batch's mean correctness reward. Needs one loss call per generation batch (``steps_per_generation=1``, the
+    whole batch in one micro-batch), as every study here runs.
+    """
+    import torch
+
+    class TiedGroupShare(base):
+        def _generate_and_score_completions(self, inputs):
+            batch = super()._generate_and_score_completions(inputs)
+            clean = torch.tensor(stash.pop(), dtype=torch.float32)
+            tied = tied_group_rows(clean, num_generations)
+            batch["tied_group"] = tied.to(batch["completion_ids"].device)  # travels with its rows when shuffled
+            self._metrics["train"]["reward_noise/clean_reward"].append(clean.mean().item())
+            return batch
+
+        def _loss_advantages(self, mode, inputs, logps):  # RPPTrainer: the advantages its loss uses, deferred or not
+            advantages, old = super()._loss_advantages(mode, inputs, logps)
+            self._seen_advantages = advantages
+            return advantages, old
+
+        def _compute_loss(self, model, inputs):
+            self._seen_advantages = None
+            loss = super()._compute_loss(model, inputs)
+            adv = self._seen_advantages if self._seen_advantages is not None else inputs["advantages"]
+            share = tied_group_adv_share(adv.detach(), inputs["completion_mask"].bool(), inputs["tied_group"])
+            self._metrics["train"]["reward_noise/tied_group_adv_share"].append(share.item())
+            return loss
+
+    TiedGroupShare.__name__ = f"TiedGroupShare{base.__name__}"
+    return TiedGroupShare
+
+
+def copy_rows(n, seed, length=1):
+    from trl_rpp.testing.tiny import copy_task_dataset
+
+    return [dict(r, answer=r["prompt"][0]) for r in copy_task_dataset(n, seed=seed, length=length)]
+
+
+def arithmetic_rows(tokenizer, n, seed, a_range, b_range):
+    """The demo's prompts (examples/demo.py) with operands drawn from `a_range` and `b_range` (inclusive)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(*a_range), rng.randint(*b_range)
+        chat = [{"role": "user", "content": f"What is {a} + {b}? Answer with just the number."}]
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        rows.append({"prompt": f"{text}{a} + {b} =", "answer": a + b})
+    return rows
+
+
+def copy_format_ok(text):
+    """The tiny task's format: the completion stops right after its one-character answer."""
+    return 1.0 if len(text) == 1 else 0.0
+
+
+def arithmetic_format_ok(text):
+    """The arithmetic task's format ("Answer with just the number"): nothing but one integer."""
+    return 1.0 if re.fullmatch(r"\s*-?\d+\s*", text) else 0.0
+
+
+def answer_probability(model, tokenizer, rows):
+    """Mean over `rows` of the trainer's probability (temperature 1) that the first completion token is the answer.
+
+    The copy task's reward is 1 exactly when the first decoded character is the answer, so this is the expected
+    reward of sampling from the trainer, up to the rare case of a special token first. Exact, where greedy accuracy
+    on 8 distinct prompts moves in steps of about 1/8.
+    """
+    import torch
+
+    was_training = model.training
+    model.eval()
+    tokenizer.padding_side = "left"
+    with torch.no_grad():
+        enc = tokenizer([r["prompt"] for r in rows], return_tensors="pt", padding=True, add_special_tokens=False)
+        logits = model(**enc).logits[:, -1].float()
+        ids = torch.tensor([tokenizer.convert_tokens_to_ids(r["answer"]) for r in rows])
+        prob = torch.softmax(logits, -1).gather(1, ids[:, None]).mean().item()
+    model.train(was_training)
+    return prob
+
+
 def run_one(arm, seed, opts):
     """Train one arm with one seed in this process and write metrics.jsonl and summary.json."""
+    import contextlib
+
     import torch
 
     os.environ.setdefault("WANDB_MODE", "disabled")
     torch.set_num_threads(opts.threads)
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-    import demo  # the main job's task, reward and greedy evaluation
+    import demo  # the main job's reward and greedy evaluation
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
@@ -130,18 +305,26 @@ def run_one(arm, seed, opts):
     if opts.tiny:
         from trl_rpp.testing.tiny import build_tiny_model
 
-        path = build_tiny_model(os.path.join(opts.out, "tiny-model"))
+        path = build_tiny_model(os.path.join(opts.out, "tiny-model"))  # built by `sweep` before its jobs start
         tokenizer = AutoTokenizer.from_pretrained(path)
-        train, heldout = demo.copy_rows(2000, seed + 1), demo.copy_rows(opts.heldout, 10_000)
-        reward, max_new, target_modules = demo.copy_reward, 2, ["q_proj", "v_proj"]
+        # Out of distribution: the letter to copy is 3 characters before the answer instead of 1.
+        train, heldout = copy_rows(2000, seed + 1), copy_rows(opts.heldout, 10_000)
+        ood = copy_rows(opts.heldout, 20_000, length=3)
+        correctness, format_ok, max_new, target_modules = demo.copy_reward, copy_format_ok, 2, ["q_proj", "v_proj"]
     else:
         from trl_rpp.testing.assets import smollm2_path
 
         path = str(smollm2_path())
         tokenizer = AutoTokenizer.from_pretrained(path)
-        # The held-out split is the same for every seed and arm; training prompts are drawn per seed.
+        # The held-out split is the same for every seed and arm; training prompts are drawn per seed. Out of
+        # distribution: a three-digit plus a two-digit number (training: a in 0..99, b in 0..20).
         train, heldout = demo.arithmetic_prompts(tokenizer, 2000, seed + 1), demo.arithmetic_prompts(tokenizer, opts.heldout, 10_000)
-        reward, max_new, target_modules = demo.first_integer_reward, 6, ["q_proj", "k_proj", "v_proj", "o_proj"]
+        ood = arithmetic_rows(tokenizer, opts.heldout, 20_000, (100, 999), (10, 99))
+        correctness, format_ok, max_new = demo.first_integer_reward, arithmetic_format_ok, 6
+        target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    stash = []
+    perturbed = opts.reward_noise > 0 or opts.format_bonus > 0 or opts.study == "noise"
+    reward = perturbed_reward(correctness, format_ok, opts.reward_noise, opts.format_bonus, seed, stash) if perturbed else correctness
 
     common = dict(
         output_dir=outdir, use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=seed,
@@ -155,58 +338,125 @@ def run_one(arm, seed, opts):
         trainer_cls, args = RPPTrainer, RPPConfig(advantage_estimator="reinforce_plus_plus_baseline", **common)
     elif arm == "grpo":
         trainer_cls, args = GRPOTrainer, GRPOConfig(**common)
-    elif arm == "grpo_noscale":
-        trainer_cls, args = GRPOTrainer, GRPOConfig(scale_rewards="none", **common)
-    elif arm in MISMATCH_ARMS:
+    elif arm in ("grpo_noscale", "grpo_batch"):
+        scale = {"grpo_noscale": "none", "grpo_batch": "batch"}[arm]
+        trainer_cls, args = GRPOTrainer, GRPOConfig(scale_rewards=scale, **common)
+    elif arm in DRIFT_ARMS:
         correction = arm.split("_", 1)[1]
         trainer_cls = mismatch_trainer(RPPTrainer, correction, opts.mismatch_sigma)
         args = RPPConfig(
-            advantage_estimator="reinforce_plus_plus_baseline", score_centering=correction == "sc", **common
+            advantage_estimator="reinforce_plus_plus_baseline", score_centering=correction in ("sc", "both"), **common
         )
     else:
-        raise ValueError(f"unknown arm {arm!r}; accepted: {', '.join(ARMS + MISMATCH_ARMS)}")
+        raise ValueError(f"unknown arm {arm!r}; accepted: {', '.join(ALL_ARMS)}")
+    if perturbed:
+        trainer_cls = with_tied_group_share(trainer_cls, stash, opts.generations)
+
+    def evaluate():
+        out = dict(heldout=demo.greedy_accuracy(trainer.model, tokenizer, heldout, correctness, max_new),
+                   heldout_ood=demo.greedy_accuracy(trainer.model, tokenizer, ood, correctness, max_new))
+        if opts.tiny:
+            out.update(heldout_prob=answer_probability(trainer.model, tokenizer, heldout),
+                       heldout_ood_prob=answer_probability(trainer.model, tokenizer, ood))
+        return out
 
     class StepClock(TrainerCallback):
         def __init__(self):
-            self.times, self._t = [], None
+            self.times, self._t, self.curve = [], None, []
 
         def on_step_begin(self, *a, **k):
             self._t = time.perf_counter()
 
-        def on_step_end(self, *a, **k):
+        def on_step_end(self, args, state, *a, **k):
             self.times.append(time.perf_counter() - self._t)
+            if opts.tiny and opts.eval_every and state.global_step % opts.eval_every == 0:
+                self.curve.append([state.global_step, answer_probability(trainer.model, tokenizer, heldout)])
 
     clock = StepClock()
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=target_modules, task_type="CAUSAL_LM")
+    lora = None if opts.full_finetune else LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=target_modules, task_type="CAUSAL_LM"
+    )
     trainer = trainer_cls(
         model=path, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(train),
         processing_class=tokenizer, peft_config=lora, callbacks=[clock],
     )
-    with torch.no_grad(), trainer.model.disable_adapter():
-        before = demo.greedy_accuracy(trainer.model, tokenizer, heldout, reward, max_new)
+    base_weights = trainer.model.disable_adapter() if lora is not None else contextlib.nullcontext()
+    with torch.no_grad(), base_weights:
+        before = evaluate()
     trainer.train()
-    after = demo.greedy_accuracy(trainer.model, tokenizer, heldout, reward, max_new)
+    after = evaluate()
     with open(os.path.join(outdir, "metrics.jsonl"), "w") as f:
         for row in trainer.state.log_history:
             f.write(json.dumps(row) + "\n")
     summary = dict(
-        arm=arm, seed=seed, heldout_before=before, heldout_after=after, step_seconds=clock.times,
+        arm=arm, seed=seed, heldout_before=before.pop("heldout"), heldout_after=after.pop("heldout"),
+        **{f"{k}_before": v for k, v in before.items()}, **{f"{k}_after": v for k, v in after.items()},
+        heldout_prob_curve=clock.curve, step_seconds=clock.times,
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, threads=opts.threads,
+        cpu_seconds=time.process_time(), settings={k: getattr(opts, k) for k in RUN_SETTINGS},
     )
     with open(os.path.join(outdir, "summary.json"), "w") as f:  # written last: marks the run as done
         json.dump(summary, f, indent=2)
-    print(json.dumps({k: v for k, v in summary.items() if k != "step_seconds"}), flush=True)
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("step_seconds", "heldout_prob_curve")}), flush=True)
 
 
-def sweep(opts):
-    for seed in opts.seeds:
-        for arm in opts.arms:
-            if os.path.exists(os.path.join(opts.out, arm, f"seed{seed}", "summary.json")):
-                print(f"[sweep] {arm} seed {seed}: done earlier, skipped", flush=True)
-                continue
-            print(f"[sweep] {arm} seed {seed}: running", flush=True)
-            cmd = [sys.executable, os.path.abspath(__file__), "--run", arm, "--seed", str(seed)] + opts.passthrough
-            subprocess.run(cmd, check=True)
+def sweep(conditions, jobs):
+    """Every (arm, seed) of each condition's `arms` x `seeds` that has no summary.json yet under its `out`, `jobs`
+    at a time, seeds in the outer loop within a condition. A failed run stops the sweep (after the runs in flight)
+    and raises with its command."""
+    todo = []
+    for opts in conditions:
+        if opts.tiny:
+            from trl_rpp.testing.tiny import build_tiny_model
+
+            build_tiny_model(os.path.join(opts.out, "tiny-model"))  # once, before parallel runs would race to build it
+        for seed in opts.seeds:
+            for arm in opts.arms:
+                if os.path.exists(os.path.join(opts.out, arm, f"seed{seed}", "summary.json")):
+                    print(f"[sweep] {opts.out}: {arm} seed {seed}: done earlier, skipped", flush=True)
+                else:
+                    todo.append((opts, arm, seed))
+    running, failed = [], []
+    while todo or running:
+        while todo and len(running) < jobs and not failed:
+            opts, arm, seed = todo.pop(0)
+            print(f"[sweep] {opts.out}: {arm} seed {seed}: running", flush=True)
+            cmd = [sys.executable, os.path.abspath(__file__), "--run", arm, "--seed", str(seed)] + passthrough(opts)
+            running.append((cmd, subprocess.Popen(cmd)))
+        if failed and not running:
+            break
+        time.sleep(0.5)
+        for item in list(running):
+            if item[1].poll() is not None:
+                running.remove(item)
+                if item[1].returncode != 0:
+                    failed.append(item[0])
+    if failed:
+        raise subprocess.CalledProcessError(1, failed[0])
+
+
+def study_runs(opts):
+    """The (out directory, settings) of each condition of `opts.study`, in the order the sweep runs them."""
+    root = os.path.join(opts.root, f"{opts.study}-{'tiny' if opts.tiny else 'smollm2'}")
+    if opts.study == "noise":
+        return [(os.path.join(root, name), NOISE_CONDITIONS[name]) for name in opts.conditions]
+    return [(os.path.join(root, f"bias{sigma:g}"), dict(mismatch_sigma=sigma)) for sigma in opts.bias_sigmas]
+
+
+RUN_SETTINGS = ("study", "tiny", "full_finetune", "steps", "prompts", "generations", "lr", "heldout", "eval_every",
+                "reward_noise", "format_bonus", "mismatch_sigma")
+
+
+def passthrough(opts):
+    """The command-line flags that fix one run's settings, for its subprocess."""
+    flags = ["--out", opts.out, "--threads", str(opts.threads)]
+    for key in RUN_SETTINGS:
+        value = getattr(opts, key)
+        if isinstance(value, bool):
+            flags += [f"--{key}"] if value else []
+        elif value is not None:
+            flags += [f"--{key}", str(value)]
+    return flags
 
 
 def t_interval(values):
@@ -387,7 +637,7 @@ def _markdown(out):
     return "\n".join(lines)
 
 
-def report(opts):
+def report_main(opts):
     runs = _load_runs(opts, ARMS + MISMATCH_ARMS)
     arms, paired = _aggregate(runs, ARMS, opts.seeds, "grpo", ())
     # The main table's rpp_baseline is the same run without the bias: shown, on the same seeds, as the reference.
@@ -422,39 +672,318 @@ def report(opts):
         ], os.path.join(opts.out, "mismatch_curves.png"), f"sampler = trainer + fixed logit bias (sigma={opts.mismatch_sigma})")
 
 
+def _load(out, arms, seeds):
+    return _load_runs(argparse.Namespace(out=out, seeds=seeds), arms)
+
+
+def _paired(runs, arm, control, seeds, key):
+    common = [s for s in seeds if (arm, s) in runs and (control, s) in runs]
+    if arm == control or not common:
+        return None
+    return t_interval([runs[(arm, s)][0][key] - runs[(control, s)][0][key] for s in common])
+
+
+def _study_rows(runs, arms, seeds, control, metrics, keys):
+    """Per arm: the held-out `metrics` after training (interval over seeds, paired difference to `control`), the
+    per-step `keys` (mean over steps and seeds), median s/step and the CPU seconds of every run."""
+    rows = {}
+    for arm in arms:
+        done = [s for s in seeds if (arm, s) in runs]
+        if not done:
+            continue
+        row = dict(seeds=done, cpu_seconds=sum(runs[(arm, s)][0].get("cpu_seconds", 0.0) for s in done),
+                   median_step_seconds=_median([_median(runs[(arm, s)][0]["step_seconds"][1:]) for s in done]))
+        for m in metrics:
+            row[m] = dict(before=t_interval([runs[(arm, s)][0][f"{m}_before"] for s in done]),
+                          after=t_interval([runs[(arm, s)][0][f"{m}_after"] for s in done]),
+                          paired=_paired(runs, arm, control, seeds, f"{m}_after"))
+        for key in keys:
+            per_seed = [_series(runs, arm, s, key) for s in done]
+            if all(per_seed):
+                flat = [v for series in per_seed for v in series]
+                row[key] = sum(flat) / len(flat)
+        rows[arm] = row
+    return rows
+
+
+def _cell(row, metric, part):
+    iv = row[metric][part]
+    return "—" if iv is None else _fmt_interval(iv)
+
+
+def _study_table(lines, rows, control, columns, keys):
+    """`columns`: (metric, part, title) cells from `_study_rows`; `keys`: (log key, title) per-step means."""
+    lines.append("| arm | seeds | " + " | ".join([t for *_, t in columns] + [t for _, t in keys]) + " |")
+    lines.append("|---|---|" + "---|" * (len(columns) + len(keys)))
+    for arm, row in rows.items():
+        cells = [_cell(row, m, part) for m, part, _ in columns]
+        cells += [f"{row[k]:.3g}" if k in row else "—" for k, _ in keys]
+        lines.append(f"| `{arm}` | {len(row['seeds'])} | " + " | ".join(cells) + " |")
+    lines.append("")
+
+
+def _cost_line(lines, studies):
+    cpu = sum(r["cpu_seconds"] for rows in studies for r in rows.values())
+    runs = sum(len(r["seeds"]) for rows in studies for r in rows.values())
+    steps = sorted(r["median_step_seconds"] for rows in studies for r in rows.values())
+    lines.append(f"Cost: {runs} runs, {cpu / 3600:.2f} CPU-hours in all (the runs' own process time); median "
+                 f"s/step per arm from {steps[0]:.3f} to {steps[-1]:.3f}.")
+    lines.append("")
+
+
+def report_noise(opts, model):
+    """Study 1 (each condition) and study 3 (out-of-distribution prompts, at sigma = 0) for one model."""
+    root = os.path.join(opts.root, f"noise-{model}")
+    if not os.path.isdir(root):
+        return None
+    tiny = model == "tiny"
+    metrics = ("heldout_prob", "heldout", "heldout_ood_prob", "heldout_ood") if tiny else ("heldout", "heldout_ood")
+    primary = metrics[0]
+    keys = ("reward_noise/tied_group_adv_share", "reward_noise/clean_reward", "frac_reward_zero_std", "grad_norm")
+    out, runs_by = {}, {}
+    for name in NOISE_CONDITIONS:
+        if os.path.isdir(os.path.join(root, name)):
+            runs_by[name] = _load(os.path.join(root, name), NOISE_ARMS, opts.seeds)
+            out[name] = _study_rows(runs_by[name], NOISE_ARMS, opts.seeds, "rpp_baseline", metrics, keys)
+    lines = [f"### Study 1: reward noise and shaping ({model})", "",
+             f"Held-out {'probability of the answer (exact)' if tiny else 'accuracy (greedy)'} after training, "
+             "mean ± std [95% t interval] over seeds; paired: arm minus `rpp_baseline`, same seed. Per-step means "
+             "over all steps and seeds.", ""]
+    for name, rows in out.items():
+        lines += [f"**{name}** ({', '.join(f'{k} = {v:g}' for k, v in NOISE_CONDITIONS[name].items())})", ""]
+        cols = [(primary, "after", "held-out after"), (primary, "paired", "− rpp_baseline (paired)")]
+        if tiny:
+            cols.append(("heldout", "after", "greedy accuracy after"))
+        _study_table(lines, rows, "rpp_baseline", cols, [
+            ("reward_noise/tied_group_adv_share", "share of Σ abs(A) on tied groups"),
+            ("reward_noise/clean_reward", "training correctness reward"), ("grad_norm", "grad norm")])
+    if "sigma0" in out:
+        ood = metrics[2]
+        lines += [f"### Study 3: out-of-distribution prompts ({model}, sigma = 0)", "",
+                  "Held-out out-of-distribution " + ("probability of the answer" if tiny else "accuracy (greedy)")
+                  + ", before and after training; paired: arm minus `rpp_baseline`, same seed.", ""]
+        cols = [(ood, "before", "OOD before"), (ood, "after", "OOD after"), (ood, "paired", "− rpp_baseline (paired)"),
+                (primary, "after", "in-distribution after")]
+        if tiny:
+            cols.append(("heldout_ood", "after", "OOD greedy accuracy after"))
+        _study_table(lines, out["sigma0"], "rpp_baseline", cols, [])
+    _cost_line(lines, list(out.values()))
+    _plot_noise(runs_by, out, primary, metrics[2], os.path.join(opts.figures, f"evidence_noise_{model}.png"), model)
+    return dict(conditions=out, markdown="\n".join(lines))
+
+
+def _plot_noise(runs_by, out, primary, ood, path, model):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(out)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for i, arm in enumerate(NOISE_ARMS):
+        xs = [j + (i - 1.5) * 0.08 for j, n in enumerate(names) if arm in out[n]]
+        for ax, key in ((axes[0], primary), (axes[1], "reward_noise/tied_group_adv_share")):
+            if key == primary:
+                ys = [out[n][arm][key]["after"] for n in names if arm in out[n]]
+                ax.errorbar(xs, [y[0] for y in ys], yerr=[y[2] or 0 for y in ys], fmt="o", color=f"C{i}", label=arm, capsize=3)
+            else:
+                ax.plot(xs, [out[n][arm].get(key, float("nan")) for n in names if arm in out[n]], "o", color=f"C{i}")
+        if "sigma0" in out and arm in out["sigma0"]:
+            iv = out["sigma0"][arm][ood]["after"]
+            axes[2].errorbar([i], [iv[0]], yerr=[iv[2] or 0], fmt="o", color=f"C{i}", capsize=3)
+    for ax in axes[:2]:
+        ax.set_xticks(range(len(names)), names)
+    axes[0].set(title=f"held-out {primary} after training (95% t)", xlabel="condition")
+    axes[0].legend(fontsize=8)
+    axes[1].set(title="share of sum |A| on groups with tied correctness", xlabel="condition", ylim=(0, 1))
+    axes[2].set_xticks(range(len(NOISE_ARMS)), NOISE_ARMS, fontsize=8)
+    axes[2].set(title=f"out of distribution: {ood} (sigma = 0)")
+    fig.suptitle(f"Study 1 and 3 ({model}): mean over seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report_drift(opts):
+    """Study 2: the bias sweep (uncorrected against no bias) and, at each bias with more arms, every correction."""
+    root = os.path.join(opts.root, "drift-tiny")
+    if not os.path.isdir(root):
+        return None
+    sigmas = sorted(float(d[4:]) for d in os.listdir(root) if d.startswith("bias"))
+    metrics = ("heldout_prob", "heldout", "heldout_ood_prob")
+    keys = ("mismatch/abs_log_ratio_mean", "score_centering/coeff_l1", "mismatch/is_masked_fraction",
+            "mismatch/is_truncated_fraction", "entropy", "kl_loss", "reward")
+    runs_by = {sg: _load(os.path.join(root, f"bias{sg:g}"), DRIFT_ARMS, opts.seeds) for sg in sigmas}
+    nobias = runs_by.get(0.0, {})
+    lines = ["### Study 2: sampler drift over a long horizon (tiny model)", "",
+             "Held-out probability of the answer under the trainer (exact, temperature 1) after training, mean ± std "
+             "[95% t interval] over seeds.", "", "**The bias sweep**: uncorrected runs against the run without a "
+             "bias (`bias0`), paired by seed.", "",
+             "| bias sigma | seeds | held-out after | − no bias (paired) | greedy accuracy after | mean abs log p − log q |",
+             "|---|---|---|---|---|---|"]
+    sweep_rows, tables = {}, {}
+    for sg in sigmas:
+        runs = runs_by[sg]
+        merged = {**runs, **{("nobias", s): v for (a, s), v in nobias.items() if a == "mismatch_none"}}
+        rows = _study_rows(merged, ("mismatch_none",), opts.seeds, "nobias", metrics, keys)
+        if "mismatch_none" not in rows:
+            continue
+        row = sweep_rows[sg] = rows["mismatch_none"]
+        lines.append(f"| {sg:g} | {len(row['seeds'])} | {_cell(row, 'heldout_prob', 'after')} | "
+                     f"{_cell(row, 'heldout_prob', 'paired') if sg else '—'} | {_cell(row, 'heldout', 'after')} | "
+                     f"{row.get('mismatch/abs_log_ratio_mean', float('nan')):.3g} |")
+        if sg and len({a for a, _ in runs}) > 1:
+            tables[sg] = _study_rows(runs, DRIFT_ARMS, opts.seeds, "mismatch_none", metrics, keys)
+            for arm, r in tables[sg].items():
+                r["vs_nobias"] = t_interval([runs[(arm, s)][0]["heldout_prob_after"] - nobias[("mismatch_none", s)][0]["heldout_prob_after"]
+                                             for s in r["seeds"] if ("mismatch_none", s) in nobias]) if nobias else None
+    lines.append("")
+    for sg, rows in tables.items():
+        lines += [f"**Every correction at bias sigma = {sg:g}**; paired: arm minus `mismatch_none` (the uncorrected "
+                  "run), and arm minus the run without a bias, same seed.", ""]
+        for r in rows.values():
+            r["heldout_prob"]["vs_nobias"] = r.pop("vs_nobias")
+        _study_table(lines, rows, "mismatch_none", [
+            ("heldout_prob", "after", "held-out after"), ("heldout_prob", "paired", "− mismatch_none (paired)"),
+            ("heldout_prob", "vs_nobias", "− no bias (paired)"), ("heldout", "after", "greedy accuracy after")],
+            [("mismatch/abs_log_ratio_mean", "mean abs log p − log q"), ("score_centering/coeff_l1", "SC coefficient L1"),
+             ("mismatch/is_masked_fraction", "TIS masked sequences"), ("mismatch/is_truncated_fraction", "TIS truncated tokens"),
+             ("entropy", "entropy"), ("kl_loss", "k2 KL loss")])
+    _cost_line(lines, [{f"s{k}": v for k, v in sweep_rows.items()}] + [
+        {a: r for a, r in rows.items() if a != "mismatch_none"} for rows in tables.values()])
+    _plot_drift(runs_by, sweep_rows, tables, os.path.join(opts.figures, "evidence_drift.png"))
+    return dict(sweep={f"{k:g}": v for k, v in sweep_rows.items()}, tables={f"{k:g}": v for k, v in tables.items()},
+                markdown="\n".join(lines))
+
+
+def _plot_drift(runs_by, sweep_rows, tables, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    sg = sorted(sweep_rows)
+    ys = [sweep_rows[x]["heldout_prob"]["after"] for x in sg]
+    axes[0].errorbar(sg, [y[0] for y in ys], yerr=[y[2] or 0 for y in ys], fmt="o-", capsize=3, color="C1")
+    axes[0].set(title="uncorrected: held-out p(answer) after (95% t)", xlabel="logit-bias sigma (0: no bias)")
+    for sigma, rows in tables.items():
+        runs = {**runs_by[sigma], **{("nobias", s): v for (a, s), v in runs_by.get(0.0, {}).items()}}
+        for i, arm in enumerate(("nobias",) + DRIFT_ARMS):
+            curves = [runs[(arm, s)][0]["heldout_prob_curve"] for a, s in runs if a == arm]
+            if not curves:
+                continue
+            n = min(len(c) for c in curves)
+            steps = [c[0] for c in curves[0][:n]]
+            cols = [[c[j][1] for c in curves] for j in range(n)]
+            axes[1].plot(steps, [sum(c) / len(c) for c in cols], color=f"C{i}", label=f"{arm} ({len(curves)} seeds)")
+            gaps = [_series(runs, arm, s, "mismatch/abs_log_ratio_mean") for a, s in runs if a == arm]
+            m = min(len(g) for g in gaps)
+            axes[2].plot(range(1, m + 1), [sum(g[j] for g in gaps) / len(gaps) for j in range(m)], color=f"C{i}")
+        axes[1].set(title=f"held-out p(answer) during training, sigma = {sigma:g}", xlabel="step")
+        axes[1].legend(fontsize=8)
+        axes[2].set(title=f"mean |log p_old - log q| per token, sigma = {sigma:g}", xlabel="step")
+        break  # one bias level is the study's main table
+    fig.suptitle("Study 2: sampler = trainer + fixed logit bias, re-synced every step (tiny model); mean over seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(opts):
+    """Every table and figure: the main 16-step tables under `--root`, then each study found under it. Writes
+    `<root>/studies.json` and `<root>/studies.md` (what docs/evidence.md copies) and the figures to `--figures`."""
+    report_main(opts)
+    os.makedirs(opts.figures, exist_ok=True)
+    for name, target in (("curves.png", "evidence_curves.png"), ("mismatch_curves.png", "evidence_mismatch_curves.png")):
+        if os.path.exists(os.path.join(opts.root, name)):
+            shutil.copyfile(os.path.join(opts.root, name), os.path.join(opts.figures, target))
+    studies = {f"noise-{m}": report_noise(opts, m) for m in ("tiny", "smollm2")}
+    studies["drift-tiny"] = report_drift(opts)
+    studies = {k: v for k, v in studies.items() if v is not None}
+    markdown = "\n".join(v.pop("markdown") for v in studies.values())
+    with open(os.path.join(opts.root, "studies.json"), "w") as f:
+        json.dump(studies, f, indent=2)
+    with open(os.path.join(opts.root, "studies.md"), "w") as f:
+        f.write(markdown)
+    print(markdown)
+
+
+# Per study, the settings a flag left unset takes. Tiny studies fine-tune every weight (the 2-layer model has no
+# pretrained part to keep, and the drift of study 2 goes through the shared output layer).
+STUDY_DEFAULTS = {
+    "main": dict(steps=16, prompts=8, generations=4, lr=5e-4, eval_every=0),
+    "noise": dict(steps=16, prompts=8, generations=4, lr=5e-4, eval_every=0),
+    "noise-tiny": dict(steps=STUDY1_TINY_STEPS, prompts=8, generations=8, lr=STUDY1_TINY_LR, eval_every=10,
+                       full_finetune=True),
+    "drift-tiny": dict(steps=STUDY2_STEPS, prompts=8, generations=8, lr=STUDY2_LR, eval_every=10, full_finetune=True),
+}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/compare_estimators")
+    ap.add_argument("--study", default="main", choices=("main", "noise", "drift"),
+                    help="main: the 16-step tables; noise: study 1 (and 3); drift: study 2 (tiny model only)")
+    ap.add_argument("--out", default=RESULTS, help="the result directory; the studies' conditions go under it")
+    ap.add_argument("--figures", default=None,
+                    help="--report: where the figures go (default: docs/figures for the default --out, else <out>/figures)")
+    ap.add_argument("--conditions", default=",".join(NOISE_CONDITIONS), help="noise study: which conditions")
+    ap.add_argument("--bias_sigmas", default=f"0,{STUDY2_SIGMA:g}", help="drift study: the logit-bias stds")
     ap.add_argument("--seeds", default="0,1,2,3,4")
-    ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--generations", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--arms", default=None, help="default: the study's arms")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--generations", type=int, default=None)
+    ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--heldout", type=int, default=128)
+    ap.add_argument("--eval_every", type=int, default=None, help="tiny model: held-out probability every N steps")
+    ap.add_argument("--full_finetune", action="store_true", default=None, help="train every weight (no LoRA)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once, each on --threads threads")
+    ap.add_argument("--reward_noise", type=float, default=0.0, help="internal: std of the reward noise")
+    ap.add_argument("--format_bonus", type=float, default=0.0, help="internal: the format bonus")
     ap.add_argument("--mismatch_sigma", type=float, default=1.0, help="std of the fixed logit bias (mismatch arms)")
-    ap.add_argument("--tiny", action="store_true", help="tiny random-init model and the copy task (smoke runs)")
+    ap.add_argument("--tiny", action="store_true", help="tiny random-init model and the copy task")
     ap.add_argument("--run", default=None, help="internal: run one arm in this process")
     ap.add_argument("--seed", type=int, default=None, help="internal: with --run")
-    ap.add_argument("--report", action="store_true", help="only aggregate finished runs into figures and report.json")
+    ap.add_argument("--report", action="store_true", help="only aggregate finished runs into figures and reports")
     opts = ap.parse_args()
-    opts.seeds = [int(s) for s in str(opts.seeds).split(",")]
-    opts.arms = [a for a in opts.arms.split(",")]
+    if opts.study == "drift" and not opts.tiny:
+        opts.tiny = True  # hundreds of steps fit only on the tiny model
+    key = opts.study if opts.study == "main" or not opts.tiny else f"{opts.study}-tiny"
+    for name, value in STUDY_DEFAULTS[key].items():
+        if getattr(opts, name, None) is None:
+            setattr(opts, name, value)
+    opts.full_finetune = bool(opts.full_finetune)
+    opts.seeds = [int(x) for x in str(opts.seeds).split(",")]
+    default_arms = {"main": ARMS, "noise": NOISE_ARMS, "drift": DRIFT_ARMS}[opts.study]
+    opts.arms = list(default_arms) if opts.arms is None else opts.arms.split(",")
     for name in opts.arms:
-        if name not in ARMS + MISMATCH_ARMS:
-            raise ValueError(f"--arms: unknown arm {name!r}; accepted: {', '.join(ARMS + MISMATCH_ARMS)}")
-    opts.passthrough = [
-        "--out", opts.out, "--steps", str(opts.steps), "--prompts", str(opts.prompts), "--generations",
-        str(opts.generations), "--lr", str(opts.lr), "--heldout", str(opts.heldout), "--threads", str(opts.threads),
-        "--mismatch_sigma", str(opts.mismatch_sigma),
-    ] + (["--tiny"] if opts.tiny else [])
+        if name not in ALL_ARMS:
+            raise ValueError(f"--arms: unknown arm {name!r}; accepted: {', '.join(ALL_ARMS)}")
+    opts.conditions = opts.conditions.split(",")
+    for name in opts.conditions:
+        if name not in NOISE_CONDITIONS:
+            raise ValueError(f"--conditions: unknown condition {name!r}; accepted: {', '.join(NOISE_CONDITIONS)}")
+    opts.bias_sigmas = [float(x) for x in opts.bias_sigmas.split(",")]
+    opts.root = opts.out  # a run's own --out is its condition's directory; the sweep passes it down
+    if opts.figures is None:
+        opts.figures = "docs/figures" if os.path.normpath(opts.out) == RESULTS else os.path.join(opts.out, "figures")
     if opts.run:
         run_one(opts.run, opts.seed, opts)
     elif opts.report:
         report(opts)
+    elif opts.study == "main":
+        sweep([opts], opts.jobs)
+        report(opts)
     else:
-        sweep(opts)
+        conditions = []
+        for out, settings in study_runs(opts):
+            condition = argparse.Namespace(**{**vars(opts), **settings, "out": out})
+            if opts.study == "drift" and settings["mismatch_sigma"] == 0:
+                condition.arms = ["mismatch_none"]  # without a bias there is nothing to correct
+            conditions.append(condition)
+        sweep(conditions, opts.jobs)
         report(opts)
 
 

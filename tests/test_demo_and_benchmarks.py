@@ -116,7 +116,7 @@ def test_demo_step_time_benchmark_runs_small(tmp_path):
 @pytest.mark.slow
 def test_compare_estimators_sweep_runs_and_resumes(tmp_path):
     args = ["benchmarks/compare_estimators.py", "--tiny", "--seeds", "0", "--steps", "2", "--heldout", "16",
-            "--threads", "1", "--out", str(tmp_path)]
+            "--threads", "1", "--jobs", "2", "--out", str(tmp_path)]
     run(args, timeout=600)
     for arm in ("rpp", "rpp_baseline", "grpo", "grpo_noscale"):
         summary = json.loads((tmp_path / arm / "seed0" / "summary.json").read_text())
@@ -155,26 +155,83 @@ def test_score_centering_memory_benchmark_runs_small():
     ratio = float(out.split("ratio on/off (process peak RSS):")[1].split()[0])
     assert 0.5 < ratio < 2.0, out  # at this size both peaks are the Python and torch runtime
 
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if '"reward"' in line]
+
+
 @pytest.mark.slow
-def test_compare_estimators_mismatch_arms_run_and_correct_as_documented(tmp_path):
-    args = ["benchmarks/compare_estimators.py", "--tiny", "--seeds", "0", "--steps", "2", "--heldout", "16",
-            "--threads", "1", "--out", str(tmp_path), "--arms", "mismatch_none,mismatch_tis,mismatch_sc"]
-    run(args, timeout=600)
-    rows = {
-        arm: [json.loads(line) for line in (tmp_path / arm / "seed0" / "metrics.jsonl").read_text().splitlines()]
-        for arm in ("mismatch_none", "mismatch_tis", "mismatch_sc")
-    }
-    first = {arm: r[0] for arm, r in rows.items()}
+def test_compare_estimators_drift_study_arms_run_and_correct_as_documented(tmp_path):
+    """Study 2 at 2 steps: the run without a bias and the four mismatch arms (full fine-tuning, tiny model)."""
+    args = ["benchmarks/compare_estimators.py", "--study", "drift", "--bias_sigmas", "0,1", "--seeds", "0",
+            "--steps", "2", "--eval_every", "1", "--heldout", "16", "--threads", "1", "--jobs", "2", "--out", str(tmp_path)]
+    run(args, timeout=900)
+    root = tmp_path / "drift-tiny"
+    assert sorted(p.name for p in (root / "bias0").iterdir() if p.name != "tiny-model") == ["mismatch_none"]
+    arms = ("mismatch_none", "mismatch_tis", "mismatch_sc", "mismatch_both")
+    first = {arm: _rows(root / "bias1" / arm / "seed0" / "metrics.jsonl")[0] for arm in arms}
     # Same seed, same fixed bias: the first generation batch is identical across arms, and the bias is really there
-    # (no bias gives |log p - log q| ~ 1e-6, the kv-cache rounding).
+    # (without it |log p - log q| is ~1e-6, the kv-cache rounding).
     gaps = {arm: f["mismatch/abs_log_ratio_mean"] for arm, f in first.items()}
-    assert min(gaps.values()) > 0.05 and max(gaps.values()) - min(gaps.values()) < 1e-5
-    # Score centering's own metric measures the same gap from its capture.
-    assert abs(first["mismatch_sc"]["score_centering/sampler_logp_abs_diff"] - gaps["mismatch_sc"]) < 1e-5
+    assert min(gaps.values()) > 0.05 and max(gaps.values()) - min(gaps.values()) < 1e-5, gaps
+    assert _rows(root / "bias0" / "mismatch_none" / "seed0" / "metrics.jsonl")[0]["mismatch/abs_log_ratio_mean"] < 1e-4
+    # Score centering's own metric measures the same gap from its capture; each correction logs what it did.
+    for arm in ("mismatch_sc", "mismatch_both"):
+        assert abs(first[arm]["score_centering/sampler_logp_abs_diff"] - gaps[arm]) < 1e-5
     assert "mismatch/is_masked_fraction" in first["mismatch_tis"] and "mismatch/is_masked_fraction" not in first["mismatch_none"]
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert set(report["mismatch"]["arms"]) == {"mismatch_none", "mismatch_tis", "mismatch_sc"}
-    assert (tmp_path / "mismatch_curves.png").stat().st_size > 10_000
+    assert "mismatch/is_truncated_fraction" in first["mismatch_both"] and "score_centering/coeff_l1" not in first["mismatch_tis"]
+    summary = json.loads((root / "bias1" / "mismatch_both" / "seed0" / "summary.json").read_text())
+    assert [s for s, _ in summary["heldout_prob_curve"]] == [1, 2] and 0 < summary["heldout_prob_after"] < 1
+    assert summary["settings"]["full_finetune"] and summary["settings"]["mismatch_sigma"] == 1.0
+    studies = json.loads((tmp_path / "studies.json").read_text())
+    assert set(studies["drift-tiny"]["sweep"]) == {"0", "1"} and set(studies["drift-tiny"]["tables"]["1"]) == set(arms)
+    assert (tmp_path / "figures" / "evidence_drift.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_compare_estimators_noise_study_arms_run_and_perturb_only_training(tmp_path):
+    """Study 1 at 2 steps: GRPO with batch scaling and REINFORCE++ (deferred returns) under reward noise, and
+    REINFORCE++-baseline with the format bonus; the mechanism metric is logged, held-out scores see no noise."""
+    base = ["benchmarks/compare_estimators.py", "--study", "noise", "--tiny", "--seeds", "0", "--steps", "2",
+            "--heldout", "16", "--threads", "1", "--jobs", "2", "--out", str(tmp_path)]
+    run(base + ["--conditions", "sigma0.3", "--arms", "grpo_batch,rpp"], timeout=900)
+    run(base + ["--conditions", "format0.1", "--arms", "rpp_baseline"], timeout=900)
+    root = tmp_path / "noise-tiny"
+    for arm in ("grpo_batch", "rpp"):
+        rows = _rows(root / "sigma0.3" / arm / "seed0" / "metrics.jsonl")
+        assert all(0.0 <= r["reward_noise/tied_group_adv_share"] <= 1.0 for r in rows)
+        # The training reward is the correctness reward plus noise: the two differ, by about sigma / sqrt(64).
+        assert all(0 < abs(r["reward"] - r["reward_noise/clean_reward"]) < 0.3 for r in rows), rows
+        summary = json.loads((root / "sigma0.3" / arm / "seed0" / "summary.json").read_text())
+        for key in ("heldout", "heldout_prob", "heldout_ood", "heldout_ood_prob"):
+            assert 0.0 <= summary[f"{key}_after"] <= 1.0, summary
+    # The format bonus is deterministic: between 0 and 0.1 above the correctness reward.
+    for r in _rows(root / "format0.1" / "rpp_baseline" / "seed0" / "metrics.jsonl"):
+        assert -1e-6 <= r["reward"] - r["reward_noise/clean_reward"] <= 0.1 + 1e-6, r
+    studies = json.loads((tmp_path / "studies.json").read_text())
+    assert set(studies["noise-tiny"]["conditions"]) == {"sigma0.3", "format0.1"}
+    assert (tmp_path / "figures" / "evidence_noise_tiny.png").stat().st_size > 10_000
+
+
+def test_tied_group_adv_share_by_hand():
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from compare_estimators import perturbed_reward, tied_group_adv_share, tied_group_rows
+
+    tied = tied_group_rows(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2)
+    assert tied.tolist() == [True, True, False, False, True, True]
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 0], [1, 1], [0, 0]], dtype=torch.bool)
+    # GRPO's [B]: |A| counted once per valid token. Tied: 2*1 + 1*2 + 2*0.5 = 5; untied: 2*3 + 1*1 = 7.
+    adv = torch.tensor([1.0, -2.0, 3.0, -1.0, 0.5, float("nan")])
+    assert abs(tied_group_adv_share(adv, mask, tied).item() - 5 / 12) < 1e-7
+    per_token = adv.unsqueeze(1).expand(6, 2).clone()
+    per_token[~mask] = float("inf")  # masked positions never count
+    assert abs(tied_group_adv_share(per_token, mask, tied).item() - 5 / 12) < 1e-7
+    assert tied_group_adv_share(torch.zeros(6), mask, tied).item() == 0.0
+    stash = []
+    reward = perturbed_reward(lambda c, a: [1.0 if x == y else 0.0 for x, y in zip(c, a)], lambda t: float(len(t) == 1),
+                              0.0, 0.1, 0, stash)
+    assert reward(["a", "ab", "b"], ["a", "a", "a"]) == [1.1, 0.0, 0.1] and stash == [[1.0, 0.0, 0.0]]
 
 
 @pytest.mark.slow
