@@ -265,9 +265,9 @@ def arithmetic_format_ok(text):
 def answer_probability(model, tokenizer, rows):
     """Mean over `rows` of the trainer's probability (temperature 1) that the first completion token is the answer.
 
-    The copy task's reward is 1 exactly when the first decoded character is the answer, so this is the expected
-    reward of sampling from the trainer, up to the rare case of a special token first. Exact, where greedy accuracy
-    on 8 distinct prompts moves in steps of about 1/8.
+    Exact, where greedy accuracy on 8 distinct prompts moves in steps of about 1/8. It is the expected copy reward of
+    sampling from the trainer except for one path: a special token (dropped by decoding) first and the answer second
+    also earns the reward and is not counted here (docs/evidence.md, study 1, shows where that matters).
     """
     import torch
 
@@ -694,6 +694,8 @@ def _study_rows(runs, arms, seeds, control, metrics, keys):
         row = dict(seeds=done, cpu_seconds=sum(runs[(arm, s)][0].get("cpu_seconds", 0.0) for s in done),
                    median_step_seconds=_median([_median(runs[(arm, s)][0]["step_seconds"][1:]) for s in done]))
         for m in metrics:
+            if any(f"{m}_after" not in runs[(arm, s)][0] for s in done):
+                continue  # e.g. the 16-step table's runs, made before the out-of-distribution score existed
             row[m] = dict(before=t_interval([runs[(arm, s)][0][f"{m}_before"] for s in done]),
                           after=t_interval([runs[(arm, s)][0][f"{m}_after"] for s in done]),
                           paired=_paired(runs, arm, control, seeds, f"{m}_after"))
@@ -707,7 +709,7 @@ def _study_rows(runs, arms, seeds, control, metrics, keys):
 
 
 def _cell(row, metric, part):
-    iv = row[metric][part]
+    iv = row.get(metric, {}).get(part)
     return "—" if iv is None else _fmt_interval(iv)
 
 
@@ -742,11 +744,16 @@ def report_noise(opts, model):
     keys = ("reward_noise/tied_group_adv_share", "reward_noise/clean_reward", "frac_reward_zero_std", "grad_norm")
     out, runs_by = {}, {}
     for name in NOISE_CONDITIONS:
-        if os.path.isdir(os.path.join(root, name)):
-            runs_by[name] = _load(os.path.join(root, name), NOISE_ARMS, opts.seeds)
-            out[name] = _study_rows(runs_by[name], NOISE_ARMS, opts.seeds, "rpp_baseline", metrics, keys)
+        where = os.path.join(root, name)
+        if name == "sigma0" and not tiny and not os.path.isdir(where):
+            where = opts.root  # SmolLM2 at sigma = 0: the 16-step table's runs, the same set-up without noise
+        if os.path.isdir(where):
+            runs_by[name] = _load(where, NOISE_ARMS, opts.seeds)
+            rows = _study_rows(runs_by[name], NOISE_ARMS, opts.seeds, "rpp_baseline", metrics, keys)
+            if rows:
+                out[name] = rows
     lines = [f"### Study 1: reward noise and shaping ({model})", "",
-             f"Held-out {'probability of the answer (exact)' if tiny else 'accuracy (greedy)'} after training, "
+             f"Held-out {LABELS[primary]} after training, "
              "mean ± std [95% t interval] over seeds; paired: arm minus `rpp_baseline`, same seed. Per-step means "
              "over all steps and seeds.", ""]
     for name, rows in out.items():
@@ -757,11 +764,11 @@ def report_noise(opts, model):
         _study_table(lines, rows, "rpp_baseline", cols, [
             ("reward_noise/tied_group_adv_share", "share of Σ abs(A) on tied groups"),
             ("reward_noise/clean_reward", "training correctness reward"), ("grad_norm", "grad norm")])
-    if "sigma0" in out:
+    if "sigma0" in out and any(metrics[2] in r for r in out["sigma0"].values()):
         ood = metrics[2]
         lines += [f"### Study 3: out-of-distribution prompts ({model}, sigma = 0)", "",
-                  "Held-out out-of-distribution " + ("probability of the answer" if tiny else "accuracy (greedy)")
-                  + ", before and after training; paired: arm minus `rpp_baseline`, same seed.", ""]
+                  f"Held-out out-of-distribution {LABELS[ood]}, before and after training; paired: arm minus "
+                  "`rpp_baseline`, same seed.", ""]
         cols = [(ood, "before", "OOD before"), (ood, "after", "OOD after"), (ood, "paired", "− rpp_baseline (paired)"),
                 (primary, "after", "in-distribution after")]
         if tiny:
@@ -772,6 +779,10 @@ def report_noise(opts, model):
     return dict(conditions=out, markdown="\n".join(lines))
 
 
+LABELS = {"heldout_prob": "p(first token = answer)", "heldout": "greedy accuracy",
+          "heldout_ood_prob": "p(first token = answer)", "heldout_ood": "greedy accuracy"}
+
+
 def _plot_noise(runs_by, out, primary, ood, path, model):
     import matplotlib
 
@@ -779,7 +790,7 @@ def _plot_noise(runs_by, out, primary, ood, path, model):
     import matplotlib.pyplot as plt
 
     names = list(out)
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
     for i, arm in enumerate(NOISE_ARMS):
         xs = [j + (i - 1.5) * 0.08 for j, n in enumerate(names) if arm in out[n]]
         for ax, key in ((axes[0], primary), (axes[1], "reward_noise/tied_group_adv_share")):
@@ -788,16 +799,24 @@ def _plot_noise(runs_by, out, primary, ood, path, model):
                 ax.errorbar(xs, [y[0] for y in ys], yerr=[y[2] or 0 for y in ys], fmt="o", color=f"C{i}", label=arm, capsize=3)
             else:
                 ax.plot(xs, [out[n][arm].get(key, float("nan")) for n in names if arm in out[n]], "o", color=f"C{i}")
-        if "sigma0" in out and arm in out["sigma0"]:
+        if "sigma0" in out and ood in out["sigma0"].get(arm, {}):
             iv = out["sigma0"][arm][ood]["after"]
             axes[2].errorbar([i], [iv[0]], yerr=[iv[2] or 0], fmt="o", color=f"C{i}", capsize=3)
+        curve_at = "format0.1" if "format0.1" in runs_by else names[-1]
+        curves = [runs_by[curve_at][(arm, s)][0].get("heldout_prob_curve") for a, s in runs_by[curve_at] if a == arm]
+        curves = [c for c in curves if c]
+        if curves:
+            n = min(len(c) for c in curves)
+            axes[3].plot([c[0] for c in curves[0][:n]], [sum(c[j][1] for c in curves) / len(curves) for j in range(n)],
+                         color=f"C{i}", label=arm)
+            axes[3].set(title=f"{curve_at}: held-out {LABELS[primary]} during training", xlabel="step")
     for ax in axes[:2]:
         ax.set_xticks(range(len(names)), names)
-    axes[0].set(title=f"held-out {primary} after training (95% t)", xlabel="condition")
+    axes[0].set(title=f"held-out {LABELS[primary]} after training (95% t)", xlabel="condition")
     axes[0].legend(fontsize=8)
     axes[1].set(title="share of sum |A| on groups with tied correctness", xlabel="condition", ylim=(0, 1))
     axes[2].set_xticks(range(len(NOISE_ARMS)), NOISE_ARMS, fontsize=8)
-    axes[2].set(title=f"out of distribution: {ood} (sigma = 0)")
+    axes[2].set(title=f"out of distribution, sigma = 0: {LABELS[ood]}")
     fig.suptitle(f"Study 1 and 3 ({model}): mean over seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -816,7 +835,7 @@ def report_drift(opts):
     runs_by = {sg: _load(os.path.join(root, f"bias{sg:g}"), DRIFT_ARMS, opts.seeds) for sg in sigmas}
     nobias = runs_by.get(0.0, {})
     lines = ["### Study 2: sampler drift over a long horizon (tiny model)", "",
-             "Held-out probability of the answer under the trainer (exact, temperature 1) after training, mean ± std "
+             "Held-out p(first token = answer) under the trainer (exact, temperature 1) after training, mean ± std "
              "[95% t interval] over seeds.", "", "**The bias sweep**: uncorrected runs against the run without a "
              "bias (`bias0`), paired by seed.", "",
              "| bias sigma | seeds | held-out after | − no bias (paired) | greedy accuracy after | mean abs log p − log q |",
@@ -866,7 +885,7 @@ def _plot_drift(runs_by, sweep_rows, tables, path):
     sg = sorted(sweep_rows)
     ys = [sweep_rows[x]["heldout_prob"]["after"] for x in sg]
     axes[0].errorbar(sg, [y[0] for y in ys], yerr=[y[2] or 0 for y in ys], fmt="o-", capsize=3, color="C1")
-    axes[0].set(title="uncorrected: held-out p(answer) after (95% t)", xlabel="logit-bias sigma (0: no bias)")
+    axes[0].set(title="uncorrected: held-out p(first token = answer), 95% t", xlabel="logit-bias sigma (0: no bias)")
     for sigma, rows in tables.items():
         runs = {**runs_by[sigma], **{("nobias", s): v for (a, s), v in runs_by.get(0.0, {}).items()}}
         for i, arm in enumerate(("nobias",) + DRIFT_ARMS):
@@ -880,7 +899,7 @@ def _plot_drift(runs_by, sweep_rows, tables, path):
             gaps = [_series(runs, arm, s, "mismatch/abs_log_ratio_mean") for a, s in runs if a == arm]
             m = min(len(g) for g in gaps)
             axes[2].plot(range(1, m + 1), [sum(g[j] for g in gaps) / len(gaps) for j in range(m)], color=f"C{i}")
-        axes[1].set(title=f"held-out p(answer) during training, sigma = {sigma:g}", xlabel="step")
+        axes[1].set(title=f"held-out p(first token = answer), sigma = {sigma:g}", xlabel="step")
         axes[1].legend(fontsize=8)
         axes[2].set(title=f"mean |log p_old - log q| per token, sigma = {sigma:g}", xlabel="step")
         break  # one bias level is the study's main table
