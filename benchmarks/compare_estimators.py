@@ -234,24 +234,6 @@ def with_tied_group_share(base, stash, num_generations):
     return TiedGroupShare
 
 
-def copy_rows(n, seed, length=1):
-    from trl_rpp.testing.tiny import copy_task_dataset
-
-    return [dict(r, answer=r["prompt"][0]) for r in copy_task_dataset(n, seed=seed, length=length)]
-
-
-def arithmetic_rows(tokenizer, n, seed, a_range, b_range):
-    """The demo's prompts (examples/demo.py) with operands drawn from `a_range` and `b_range` (inclusive)."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(*a_range), rng.randint(*b_range)
-        chat = [{"role": "user", "content": f"What is {a} + {b}? Answer with just the number."}]
-        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        rows.append({"prompt": f"{text}{a} + {b} =", "answer": a + b})
-    return rows
-
-
 def copy_format_ok(text):
     """The tiny task's format: the completion stops right after its one-character answer."""
     return 1.0 if len(text) == 1 else 0.0
@@ -308,8 +290,8 @@ def run_one(arm, seed, opts):
         path = build_tiny_model(os.path.join(opts.out, "tiny-model"))  # built by `sweep` before its jobs start
         tokenizer = AutoTokenizer.from_pretrained(path)
         # Out of distribution: the letter to copy is 3 characters before the answer instead of 1.
-        train, heldout = copy_rows(2000, seed + 1), copy_rows(opts.heldout, 10_000)
-        ood = copy_rows(opts.heldout, 20_000, length=3)
+        train, heldout = demo.copy_rows(2000, seed + 1), demo.copy_rows(opts.heldout, 10_000)
+        ood = demo.copy_rows(opts.heldout, 20_000, length=3)
         correctness, format_ok, max_new, target_modules = demo.copy_reward, copy_format_ok, 2, ["q_proj", "v_proj"]
     else:
         from trl_rpp.testing.assets import smollm2_path
@@ -319,7 +301,7 @@ def run_one(arm, seed, opts):
         # The held-out split is the same for every seed and arm; training prompts are drawn per seed. Out of
         # distribution: a three-digit plus a two-digit number (training: a in 0..99, b in 0..20).
         train, heldout = demo.arithmetic_prompts(tokenizer, 2000, seed + 1), demo.arithmetic_prompts(tokenizer, opts.heldout, 10_000)
-        ood = arithmetic_rows(tokenizer, opts.heldout, 20_000, (100, 999), (10, 99))
+        ood = demo.arithmetic_prompts(tokenizer, opts.heldout, 20_000, a_range=(100, 999), b_range=(10, 99))
         correctness, format_ok, max_new = demo.first_integer_reward, arithmetic_format_ok, 6
         target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
     stash = []
@@ -725,6 +707,8 @@ def _study_table(lines, rows, control, columns, keys):
 
 
 def _cost_line(lines, studies):
+    if not any(studies):
+        return
     cpu = sum(r["cpu_seconds"] for rows in studies for r in rows.values())
     runs = sum(len(r["seeds"]) for rows in studies for r in rows.values())
     steps = sorted(r["median_step_seconds"] for rows in studies for r in rows.values())
@@ -740,7 +724,7 @@ def report_noise(opts, model):
         return None
     tiny = model == "tiny"
     metrics = ("heldout_prob", "heldout", "heldout_ood_prob", "heldout_ood") if tiny else ("heldout", "heldout_ood")
-    primary = metrics[0]
+    primary, ood = metrics[0], metrics[len(metrics) // 2]
     keys = ("reward_noise/tied_group_adv_share", "reward_noise/clean_reward", "frac_reward_zero_std", "grad_norm")
     out, runs_by = {}, {}
     for name in NOISE_CONDITIONS:
@@ -752,20 +736,21 @@ def report_noise(opts, model):
             rows = _study_rows(runs_by[name], NOISE_ARMS, opts.seeds, "rpp_baseline", metrics, keys)
             if rows:
                 out[name] = rows
+    from_main = "sigma0" in out and not tiny and not os.path.isdir(os.path.join(root, "sigma0"))
     lines = [f"### Study 1: reward noise and shaping ({model})", "",
              f"Held-out {LABELS[primary]} after training, "
              "mean ± std [95% t interval] over seeds; paired: arm minus `rpp_baseline`, same seed. Per-step means "
              "over all steps and seeds.", ""]
     for name, rows in out.items():
-        lines += [f"**{name}** ({', '.join(f'{k} = {v:g}' for k, v in NOISE_CONDITIONS[name].items())})", ""]
+        source = "; the 16-step table's runs" if name == "sigma0" and from_main else ""
+        lines += [f"**{name}** ({', '.join(f'{k} = {v:g}' for k, v in NOISE_CONDITIONS[name].items())}{source})", ""]
         cols = [(primary, "after", "held-out after"), (primary, "paired", "− rpp_baseline (paired)")]
         if tiny:
             cols.append(("heldout", "after", "greedy accuracy after"))
         _study_table(lines, rows, "rpp_baseline", cols, [
             ("reward_noise/tied_group_adv_share", "share of Σ abs(A) on tied groups"),
             ("reward_noise/clean_reward", "training correctness reward"), ("grad_norm", "grad norm")])
-    if "sigma0" in out and any(metrics[2] in r for r in out["sigma0"].values()):
-        ood = metrics[2]
+    if "sigma0" in out and any(ood in r for r in out["sigma0"].values()):
         lines += [f"### Study 3: out-of-distribution prompts ({model}, sigma = 0)", "",
                   f"Held-out out-of-distribution {LABELS[ood]}, before and after training; paired: arm minus "
                   "`rpp_baseline`, same seed.", ""]
@@ -774,8 +759,8 @@ def report_noise(opts, model):
         if tiny:
             cols.append(("heldout_ood", "after", "OOD greedy accuracy after"))
         _study_table(lines, out["sigma0"], "rpp_baseline", cols, [])
-    _cost_line(lines, list(out.values()))
-    _plot_noise(runs_by, out, primary, metrics[2], os.path.join(opts.figures, f"evidence_noise_{model}.png"), model)
+    _cost_line(lines, [rows for name, rows in out.items() if not (from_main and name == "sigma0")])
+    _plot_noise(runs_by, out, primary, ood, os.path.join(opts.figures, f"evidence_noise_{model}.png"), model)
     return dict(conditions=out, markdown="\n".join(lines))
 
 

@@ -91,12 +91,13 @@ def _auto_threads(sample_s: float = 1.0) -> tuple[int, str]:
     return default_threads(len(cpus), load), f"{len(cpus)} usable cores, 1-minute load {load:.2f}"
 
 
-def arithmetic_prompts(tokenizer, n, seed):
-    """Chat-formatted prompts whose assistant turn is pre-filled with "a + b =", and their answers."""
+def arithmetic_prompts(tokenizer, n, seed, a_range=(0, 99), b_range=(0, 20)):
+    """Chat-formatted prompts whose assistant turn is pre-filled with "a + b =", and their answers (operands drawn
+    uniformly from the inclusive ranges)."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        a, b = rng.randint(0, 99), rng.randint(0, 20)
+        a, b = rng.randint(*a_range), rng.randint(*b_range)
         chat = [{"role": "user", "content": QUESTION.format(a=a, b=b)}]
         text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         rows.append({"prompt": f"{text}{a} + {b} =", "answer": a + b})
@@ -112,10 +113,11 @@ def first_integer_reward(completions, answer, **kwargs):
     return out
 
 
-def copy_rows(n, seed):
+def copy_rows(n, seed, length=1):
+    """Copy-task prompts of `length` letters; the answer is the first one."""
     from trl_rpp.testing.tiny import copy_task_dataset
 
-    return [dict(r, answer=r["prompt"][0]) for r in copy_task_dataset(n, seed=seed)]
+    return [dict(r, answer=r["prompt"][0]) for r in copy_task_dataset(n, seed=seed, length=length)]
 
 
 def copy_reward(completions, answer, **kwargs):
