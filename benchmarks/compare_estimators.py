@@ -30,7 +30,8 @@ Every (arm, seed) runs in its own process, so each has its own peak RSS, and the
 for each seed so that machine load hits them alike (`--jobs 2` runs two at once, each on `--threads` threads). A
 run that finished left `summary.json` in its directory and is skipped when the sweep is started again, so a long
 sweep can run in pieces. Raw per-step metrics (the trainer's log history) are in `metrics.jsonl` next to it.
-`--report` writes the figures and the `report.json`/`report.md` that docs/evidence.md is written from.
+`--report` writes the figures, the 16-step tables' `report.json`/`report.md` and the studies' `studies.json`/
+`studies.md` that docs/evidence.md is written from.
 """
 
 from __future__ import annotations
