@@ -776,6 +776,8 @@ def _plot_noise(runs_by, out, primary, ood, path, model):
     import matplotlib.pyplot as plt
 
     names = list(out)
+    # Out of distribution at sigma = 0 where it was scored (tiny model), else at the last condition that has it.
+    ood_at = next((n for n in ["sigma0"] + names[::-1] if any(ood in r for r in out.get(n, {}).values())), None)
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
     for i, arm in enumerate(NOISE_ARMS):
         xs = [j + (i - 1.5) * 0.08 for j, n in enumerate(names) if arm in out[n]]
@@ -785,8 +787,8 @@ def _plot_noise(runs_by, out, primary, ood, path, model):
                 ax.errorbar(xs, [y[0] for y in ys], yerr=[y[2] or 0 for y in ys], fmt="o", color=f"C{i}", label=arm, capsize=3)
             else:
                 ax.plot(xs, [out[n][arm].get(key, float("nan")) for n in names if arm in out[n]], "o", color=f"C{i}")
-        if "sigma0" in out and ood in out["sigma0"].get(arm, {}):
-            iv = out["sigma0"][arm][ood]["after"]
+        if ood_at and ood in out[ood_at].get(arm, {}):
+            iv = out[ood_at][arm][ood]["after"]
             axes[2].errorbar([i], [iv[0]], yerr=[iv[2] or 0], fmt="o", color=f"C{i}", capsize=3)
         curve_at = "format0.1" if "format0.1" in runs_by else names[-1]
         curves = [runs_by[curve_at][(arm, s)][0].get("heldout_prob_curve") for a, s in runs_by[curve_at] if a == arm]
@@ -796,13 +798,20 @@ def _plot_noise(runs_by, out, primary, ood, path, model):
             axes[3].plot([c[0] for c in curves[0][:n]], [sum(c[j][1] for c in curves) / len(curves) for j in range(n)],
                          color=f"C{i}", label=arm)
             axes[3].set(title=f"{curve_at}: held-out {LABELS[primary]} during training", xlabel="step")
+        else:  # no held-out curve (SmolLM2): the training correctness reward, from the logs
+            series = [_series(runs_by[curve_at], arm, s, "reward_noise/clean_reward") for a, s in runs_by[curve_at] if a == arm]
+            series = [c for c in series if c]
+            if series:
+                n = min(len(c) for c in series)
+                axes[3].plot(range(1, n + 1), [sum(c[j] for c in series) / len(series) for j in range(n)], color=f"C{i}")
+                axes[3].set(title=f"{curve_at}: training correctness reward", xlabel="step")
     for ax in axes[:2]:
         ax.set_xticks(range(len(names)), names)
     axes[0].set(title=f"held-out {LABELS[primary]} after training (95% t)", xlabel="condition")
     axes[0].legend(fontsize=8)
     axes[1].set(title="share of sum |A| on groups with tied correctness", xlabel="condition", ylim=(0, 1))
     axes[2].set_xticks(range(len(NOISE_ARMS)), NOISE_ARMS, fontsize=8)
-    axes[2].set(title=f"out of distribution, sigma = 0: {LABELS[ood]}")
+    axes[2].set(title=f"out of distribution, {ood_at}: {LABELS[ood]}")
     fig.suptitle(f"Study 1 and 3 ({model}): mean over seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
