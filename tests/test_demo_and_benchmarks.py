@@ -240,7 +240,7 @@ def test_vllm_benchmarks_run_small(tmp_path):
     from trl_rpp.testing.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", hidden_size=128, num_heads=2)
-    env = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1")
+    env = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", TRL_RPP_TESTS_VLLM="1")  # tests/harness
     out = run(["benchmarks/vllm_generation.py", "--model", model, "--k", "8", "--prompts", "4", "--max_tokens", "8",
                "--repeats", "2", "--max_model_len", "64"], timeout=600, env=env)
     assert "| logprobs=0 (sampled log-prob) |" in out and "| logprobs=8 + parse_vllm_topk" in out, out

@@ -6,7 +6,6 @@ one process (production function and the independent float64 reference) and comp
 """
 
 import os
-import socket
 import tempfile
 
 import pytest
@@ -67,8 +66,8 @@ def _slice(case, rank, world):
 CASES = ["unequal", "one_rank_empty", "zero_rows", "single_global_token", "zero_variance", "float64", "globally_empty"]
 
 
-def _worker(rank, world, port, outdir):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _worker(rank, world, outdir):
+    dist.init_process_group("gloo", init_method=f"file://{outdir}/rendezvous", rank=rank, world_size=world)
     try:
         results = {}
         for case in CASES:
@@ -86,12 +85,6 @@ def _worker(rank, world, port, outdir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _concat(slices):
     """Concatenate per-rank [B_r, T_r] slices along B, padded on T with masked NaN."""
     T = max(v.shape[1] for v, _ in slices)
@@ -106,7 +99,7 @@ def _concat(slices):
 @pytest.mark.parametrize("world", [2, 3])
 def test_global_normalize_matches_single_process_population(world):
     with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_worker, args=(world, _free_port(), outdir), nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(world, outdir), nprocs=world, join=True, start_method="spawn")
         results = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
 
     for case in CASES:

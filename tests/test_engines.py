@@ -24,13 +24,12 @@ import importlib.util
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from trainer_helpers import train_eos_after_a
+from trainer_helpers import LAUNCH_ENV, launch_command, train_eos_after_a
 from trl_rpp.testing.tiny import build_tiny_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,11 +41,9 @@ LAUNCH_TIMEOUT_S = 300  # a hung collective fails the test instead of blocking C
 
 def launch(config, script_args, timeout=LAUNCH_TIMEOUT_S, extra_env=None):
     """`accelerate launch --config_file CONFIG` with 2 processes, killed as a whole process group on timeout."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu", **(extra_env or {}))
+    env = dict(os.environ, **LAUNCH_ENV, DS_ACCELERATOR="cpu", **(extra_env or {}))
     # The shipped files target GPUs (bf16, 8 processes); only what a CPU machine needs is overridden here.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
-           "--num_processes", "2", "--mixed_precision", "no", *script_args]
+    cmd = launch_command(*script_args, config_file=os.path.join(CONFIGS, config))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

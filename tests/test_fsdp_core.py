@@ -9,7 +9,6 @@ instead differs by far more (asserted).
 """
 
 import os
-import socket
 import tempfile
 import time
 import warnings
@@ -77,7 +76,7 @@ def _loss(model, batch, rows, estimator, group):
     return loss
 
 
-def _worker(rank, world, port, outdir):
+def _worker(rank, world, outdir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -85,7 +84,7 @@ def _worker(rank, world, port, outdir):
     torch.set_num_threads(1)
     # fully_shard warns that a Linear on [B, T, H] returns a view; nothing here writes into a module output in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{outdir}/rendezvous", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     alone = [dist.new_group([r]) for r in range(world)][rank]  # a group of this process only
     batch = _batch()
@@ -112,17 +111,11 @@ def _worker(rank, world, port, outdir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_core_losses_under_fully_shard_match_one_process():
     world = 2
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), outdir), nprocs=world, join=False, start_method="spawn")
+        ctx = mp.start_processes(_worker, args=(world, outdir), nprocs=world, join=False, start_method="spawn")
         deadline = time.time() + TIMEOUT_S
         while not ctx.join(timeout=1):
             if time.time() > deadline:

@@ -8,7 +8,6 @@ a bf16 overflow. Without the guard that step writes NaN into the weights (`test_
 import math
 import os
 import subprocess
-import sys
 import warnings
 from collections import defaultdict
 
@@ -17,7 +16,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from grad_guard_script import InfHiddenStates, Snapshots, identical, varied_reward
-from trainer_helpers import make_args
+from trainer_helpers import LAUNCH_ENV, launch_command, make_args
 from trl_rpp import RPPConfig, RPPTrainer
 from trl_rpp.grad_guard import (
     GradGuard, NonFiniteGradientError, as_float, consecutive_after, count_skipped, guard_applies, skip_next_step,
@@ -263,11 +262,8 @@ def test_limit_zero_stops_at_the_first_non_finite_step(tmp_path, tiny_model):
 
 def launch(tmp_path, mode):
     model_path = build_tiny_model(tmp_path / "model")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-           "1", "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(HERE, "grad_guard_script.py"),
-           str(tmp_path), model_path, mode]  # fmt: skip
+    env = dict(os.environ, **LAUNCH_ENV)
+    cmd = launch_command(os.path.join(HERE, "grad_guard_script.py"), str(tmp_path), model_path, mode)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)  # a hung collective fails
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]

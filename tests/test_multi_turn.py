@@ -9,7 +9,6 @@ rebuilt from the rollout's own `env_mask`, never read from the trainer's batch.
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from reference import (
     ref_response_mean_k2_loss,
     ref_response_mean_ppo_loss,
 )
-from trainer_helpers import initial_model_logps, make_args, train_eos_after_a
+from trainer_helpers import LAUNCH_ENV, initial_model_logps, launch_command, make_args, train_eos_after_a
 from trl_rpp.rollouts import check_external_mask
 from trl_rpp.testing.tiny import build_tiny_model
 
@@ -288,12 +287,8 @@ def test_two_process_multi_turn_matches_global_reference(tmp_path):
     concatenation of both ranks' rows (model tokens only), advantages/valid_tokens is the global model-token count,
     and normalizing one rank alone would differ. REINFORCE++ builds its returns in the loss (steps_per_generation=1)."""
     model_path = build_tiny_model(tmp_path / "model")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(HERE, "multi_turn_script.py"), str(tmp_path),
-        model_path,
-    ]
+    env = dict(os.environ, **LAUNCH_ENV)
+    cmd = launch_command(os.path.join(HERE, "multi_turn_script.py"), str(tmp_path), model_path)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for estimator in ESTIMATOR_KW:
@@ -336,22 +331,12 @@ def test_two_process_multi_turn_matches_global_reference(tmp_path):
     print(f"\nlargest deviation from the float64 reference: {DEVIATIONS}")
 
 
-@pytest.fixture(scope="module")
-def tool_model_path(tmp_path_factory):
-    """The tiny tool-calling model of `trl_rpp.testing.tool_model` (byte-level BPE, TRL's Qwen3 template, a warm-up
-    that teaches it to call `multiply`): TRL's tool loop needs a tokenizer whose chat template renders tool calls and
-    that TRL can parse them for, and a model that emits them. Same folder as the session fixture of
-    tests/tool_model.py, so the build (~30 s) runs once per session."""
-    tool_model = pytest.importorskip("trl_rpp.testing.tool_model", reason="the tiny tool-calling model is not here")
-    return tool_model.build_tool_model(tmp_path_factory.getbasetemp() / "tool_model")
-
-
 TOOL_TURN = r"\n<\|im_start\|>user\n<tool_response>\n[^<]*\n</tool_response><\|im_end\|>\n<\|im_start\|>assistant\n"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator", list(ESTIMATOR_KW))
-def test_environment_factory_tool_results_are_holes(tmp_path, tool_model_path, estimator):
+def test_environment_factory_tool_results_are_holes(tmp_path, tool_model, estimator):
     """`environment_factory` through TRL's real tool loop: the tokens with tool_mask 0 are exactly the rendered tool
     turns (checked on the decoded text), the tool loop's output passed the alignment check, and advantages,
     advantages/valid_tokens and the gradient treat those tokens as holes, against the float64 reference."""
@@ -371,7 +356,7 @@ def test_environment_factory_tool_results_are_holes(tmp_path, tool_model_path, e
     def noisy_judge(completions, **kwargs):
         return [rng.random() for _ in completions]
 
-    trainer = MultiTurnTrainer(model=tool_model_path, reward_funcs=[correct_product_reward, noisy_judge], args=args,
+    trainer = MultiTurnTrainer(model=tool_model, reward_funcs=[correct_product_reward, noisy_judge], args=args,
                                train_dataset=tool_dataset(32, greeting_every=4), environment_factory=MultiplyEnv)
     assert hasattr(trainer._tool_call_loop, "__wrapped__"), "the tool loop's tool_mask is checked"
     trainer.train()

@@ -1,6 +1,6 @@
 """`examples/multi_turn.py` run end to end as a real subprocess (CPU, offline): the tool loop and the environment
 (`rollout_func`) loop each train with score centering on the tiny tool model; its default of building that model is
-what `tests/tool_model.py` builds (so the test passes the session's copy instead of building it again)."""
+what the session fixture `tool_model` (tests/conftest.py) builds, so the test passes that copy instead."""
 
 import os
 import re
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from tool_model import tool_model  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 

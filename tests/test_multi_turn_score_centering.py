@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from test_score_centering import expected_centered_score
-from tool_model import MultiplyEnv, correct_product_reward, multiply, tool_dataset, tool_model  # noqa: F401
+from tool_model import MultiplyEnv, correct_product_reward, multiply, tool_dataset
 from trainer_helpers import CaptureTrainer, make_args
 from trl_rpp import RPPTrainer
 from trl_rpp.multi_turn import align_turn_captures, model_segments, rollout_sampler_topk

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from trainer_helpers import make_args
+from trainer_helpers import launch_command, make_args
 from trl_rpp import RPPConfig, RPPTrainer
 from trl_rpp.checkpoint import ResumeLayout, checkpoint_problem, required_files
 from trl_rpp.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, parse_preemption_signals
@@ -23,13 +23,11 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS
 # steps_per_generation=2: generations at steps 1, 3, 5, 7, so a stop at step 3 or 5 falls inside a generation batch
 # and its checkpoint must carry the buffered batch; a regular checkpoint every 3 steps.
 SPG = ("--steps_per_generation", "2")
-LAUNCH = ("-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-          "--mixed_precision", "no", "--dynamo_backend", "no")
 
 
 def command(*args, processes=1):
-    launcher = LAUNCH if processes == 2 else ()
-    return [sys.executable, *launcher, os.path.join(HERE, "resume_script.py"), *args]
+    script = os.path.join(HERE, "resume_script.py")
+    return launch_command(script, *args) if processes == 2 else [sys.executable, script, *args]
 
 
 def per_step(log_history):

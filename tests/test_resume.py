@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from trl_rpp.checkpoint import (DamagedCheckpointError, ResumeLayout, checkpoint_problem, newest_complete_checkpoint,
+                                 required_files)
 from trl_rpp.testing.tiny import build_tiny_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -77,7 +79,10 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, estimator,
 # steps_per_generation=3, a checkpoint every 2 steps: generations at steps 1, 4, 7; checkpoint-2 and checkpoint-4 both
 # fall inside a generation batch, so both need their buffered batch. The kill interrupts the write of checkpoint-4.
 KILL_ARGS = ("--steps_per_generation", "3", "--save_steps", "2")
-# point -> what resuming with resume_from_checkpoint=True gives right after the kill
+# point -> what resuming with resume_from_checkpoint=True gives right after the kill. Every point is killed for real and
+# its folder judged in this process; a resume runs for one point of each outcome (RESUMED_POINTS): what follows the
+# decision is the same run from the same checkpoint for every point with that outcome.
+RESUMED_POINTS = ("buffer_half", "rotate_start")
 KILL_CASES = {
     "buffer_start": "skipped",  # checkpoint-4/ holds only an empty temporary buffer file
     "buffer_half": "skipped",  # ... a half-written temporary buffer file
@@ -123,14 +128,29 @@ def test_sigkill_during_checkpoint_write(tmp_path, kill_reference, point):
     else:
         assert buffer in files and ("trainer_state.json" in files) == (point in ("state_half", "rotate_start")), files
 
-    # The refusal of a named torn checkpoint reads the same files for every point (tests/test_checkpoint.py tears
-    # each one): here it runs for the first and the last file of the write, which spares CI a process per point.
-    if KILL_CASES[point] == "skipped" and point in ("buffer_half", "state_half"):
-        named = subprocess.run(script("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--resume_from",
-                                      checkpoint4), env=ENV, capture_output=True, text=True, timeout=600)
-        assert named.returncode != 0
-        error = named.stderr.strip().splitlines()[-1]
-        assert error.startswith("trl_rpp.checkpoint.DamagedCheckpointError: "), named.stderr[-3000:]
+    # The decision, made here on the killed folder as RPPTrainer.train makes it (resolve_resume_checkpoint) for a run
+    # of KILL_ARGS on one process: skip the torn checkpoint-4, naming it, or resume it; named explicitly, refuse it
+    # with a message that names the file and says what to do.
+    layout = ResumeLayout(0, 1, 3, 1, required_files(0, 1))
+    chosen, skipped = newest_complete_checkpoint(out_dir, layout)
+    named = checkpoint_problem(checkpoint4, layout)
+    if KILL_CASES[point] == "skipped":
+        assert chosen == os.path.join(out_dir, "checkpoint-2"), chosen
+        assert [(folder, problem.path) for folder, problem in skipped] == [
+            (checkpoint4, os.path.join(checkpoint4, "trainer_state.json"))]
+        assert isinstance(named, DamagedCheckpointError) and named.path == os.path.join(checkpoint4, "trainer_state.json")
+        assert f"Delete the folder {checkpoint4} and resume again" in str(named), str(named)
+    else:
+        assert chosen == checkpoint4 and skipped == [] and named is None
+    if point not in RESUMED_POINTS:
+        return
+    # The run itself: a named torn checkpoint-4 is refused, and resume_from_checkpoint=True resumes exactly.
+    if KILL_CASES[point] == "skipped":
+        refused = subprocess.run(script("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--resume_from",
+                                        checkpoint4), env=ENV, capture_output=True, text=True, timeout=600)
+        assert refused.returncode != 0
+        error = refused.stderr.strip().splitlines()[-1]
+        assert error.startswith("trl_rpp.checkpoint.DamagedCheckpointError: "), refused.stderr[-3000:]
         assert os.path.join(checkpoint4, "trainer_state.json") in error, error
         assert f"Delete the folder {checkpoint4} and resume again" in error, error
     resume = script("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--resume")

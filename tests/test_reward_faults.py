@@ -7,14 +7,13 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
 
-from trainer_helpers import CaptureTrainer, length_reward, make_args
+from trainer_helpers import LAUNCH_ENV, CaptureTrainer, launch_command, length_reward, make_args
 from trl_rpp import RPPConfig
 from trl_rpp.reward_faults import RewardFunctionError, _TimedOut, call_in_thread
 from trl_rpp.testing.tiny import copy_task_dataset
@@ -260,11 +259,8 @@ def test_one_process_failing_never_leaves_the_other_waiting(tmp_path, tiny_model
     step 2, rank 1 hangs at step 3). Each of the first three stops both ranks with the same error; the last finishes
     on both, with the same counts logged. The later runs only work if no rank was left inside a collective. A
     deadlock fails the test at the time limit instead of hanging it."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-           "1", "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(HERE, "reward_faults_dist_script.py"),
-           str(tmp_path), tiny_model]  # fmt: skip
+    env = dict(os.environ, **LAUNCH_ENV)
+    cmd = launch_command(os.path.join(HERE, "reward_faults_dist_script.py"), str(tmp_path), tiny_model)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     try:

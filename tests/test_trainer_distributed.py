@@ -1,36 +1,40 @@
 """RPPTrainer under `accelerate launch` with 2 CPU processes (gloo): groups straddle processes and the
 normalization covers the global population. Each rank's advantages are compared with the float64 reference
-computed on the concatenation of both ranks' data."""
+computed on the concatenation of both ranks' data. Every case runs in one launch (the module fixture `runs`)."""
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from reference import ref_global_masked_normalize, ref_group_mean_advantages, ref_reinforce_pp_returns
-from trainer_helpers import train_eos_after_a
+from trainer_helpers import LAUNCH_ENV, launch_command, train_eos_after_a
 from trl_rpp.testing.tiny import build_tiny_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _launch(tmp_path, model_path, estimator, mode):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        os.path.join(HERE, "dist_trainer_script.py"), str(tmp_path), model_path, estimator, mode,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+ESTIMATORS = ["reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+CASES = ["reinforce_plus_plus:deferred", *(f"{e}:{mode}" for mode in ("groups", "mask_truncated") for e in ESTIMATORS)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model):
+    """Every case in one launch of 2 processes (tests/dist_trainer_script.py): (estimator, mode) -> both ranks' records."""
+    outdir = tmp_path_factory.mktemp("dist")
+    eos_model = build_tiny_model(outdir / "eos_model")
+    train_eos_after_a(eos_model)
+    cmd = launch_command(os.path.join(HERE, "dist_trainer_script.py"), str(outdir), tiny_model, eos_model, *CASES)
+    proc = subprocess.run(cmd, env=dict(os.environ, **LAUNCH_ENV), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return {tuple(case.split(":")): [torch.load(outdir / f"{case.replace(':', '-')}-rank{r}.pt", weights_only=False)
+                                     for r in range(2)] for case in CASES}
 
 
-def test_two_process_deferred_returns_match_global_reference(tmp_path):
+def test_two_process_deferred_returns_match_global_reference(runs):
     """REINFORCE++ with steps_per_generation=1 builds its returns inside the loss: still normalized over both ranks."""
-    ranks = _launch(tmp_path, build_tiny_model(tmp_path / "model"), "reinforce_plus_plus", "deferred")
+    ranks = runs["reinforce_plus_plus", "deferred"]
     assert len(ranks[0]["loss_inputs"]) == len(ranks[1]["loss_inputs"]) == 2
     for step in range(2):
         inputs = [r["loss_inputs"][step] for r in ranks]
@@ -48,9 +52,9 @@ def test_two_process_deferred_returns_match_global_reference(tmp_path):
                                        rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
-def test_two_process_advantages_match_global_reference(tmp_path, estimator):
-    ranks = _launch(tmp_path, build_tiny_model(tmp_path / "model"), estimator, "groups")
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_two_process_advantages_match_global_reference(runs, estimator):
+    ranks = runs[estimator, "groups"]
     assert ranks[0]["backend"] == "gloo"
 
     differs = []
@@ -94,14 +98,11 @@ def test_two_process_advantages_match_global_reference(tmp_path, estimator):
     assert logs[0] and [h["advantages/valid_tokens"] for h in logs[0]] == [h["advantages/valid_tokens"] for h in logs[1]]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
-def test_fully_masked_process_joins_the_collective_and_trains_on_zeros(tmp_path, estimator):
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_fully_masked_process_joins_the_collective_and_trains_on_zeros(runs, estimator):
     """mask_truncated_completions=True and every completion of rank 0 truncated: rank 0 gets zero advantages,
     rank 1 the normalization of its own tokens (the whole global population), and training completes."""
-    model_path = build_tiny_model(tmp_path / "model")
-    train_eos_after_a(model_path)
-    ranks = _launch(tmp_path, model_path, estimator, "mask_truncated")
+    ranks = runs[estimator, "mask_truncated"]
     empty_seen = False
     # One micro-batch per generation: the loss inputs carry the advantages the loss used (both code paths).
     for b0, b1 in zip(ranks[0]["loss_inputs"], ranks[1]["loss_inputs"]):

@@ -14,16 +14,15 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from reference import ref_global_masked_normalize, ref_group_mean_advantages, ref_reinforce_pp_returns
 from test_engines import launch
+from trainer_helpers import free_port
 from trl_rpp.testing.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -35,7 +34,8 @@ MIN_MOVE = 0.1  # the probe's log-probs move at least this much over a run (asse
 RUN_TIMEOUT_S = 900  # one process running every single-process case; a hang fails instead of blocking CI
 K = 32
 REWARD_WEIGHTS = (1.0, 0.5)
-VLLM_ENV = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")  # launch() adds the rest
+# launch() adds the rest; TRL_RPP_TESTS_VLLM: the suite's subprocesses see vLLM only when asked (tests/harness)
+VLLM_ENV = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TRL_RPP_TESTS_VLLM="1")
 ENV = dict(HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", **VLLM_ENV)
 
 
@@ -284,12 +284,6 @@ def test_two_processes_normalize_over_the_union_of_their_completions(ddp, case):
 # The flags of the documented server command (docs/distributed.md, checked there by tests/test_distributed_docs.py).
 SERVER_FLAGS = ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--weight-transfer-config",
                 '{"backend": "nccl"}']
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

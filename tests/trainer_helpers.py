@@ -1,5 +1,11 @@
 """Shared helpers of the trainer tests (imported by them and by tests/dist_trainer_script.py; fixtures live in
-tests/conftest.py): a recording RPPTrainer, the small default config, and the initial model's log-probs."""
+tests/conftest.py): a recording RPPTrainer, the small default config, the initial model's log-probs, and the one way
+the tests start `accelerate launch` (on a port of their own)."""
+
+import itertools
+import os
+import socket
+import sys
 
 import torch
 
@@ -101,3 +107,58 @@ def train_eos_after_a(path):
             loss.backward()
             opt.step()
     model.save_pretrained(path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `accelerate launch` on a free port
+# ----------------------------------------------------------------------------------------------------------------
+
+PORTS_PER_WORKER = 1000
+FIRST_PORT = 21000  # below Linux's ephemeral range (32768+), so no client socket takes these, and clear of 29500
+
+
+def _worker_index():
+    """0 for `gw0` (pytest-xdist's first worker) or a run without xdist, 1 for `gw1`, ..."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+
+
+_ports = itertools.count()
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that no one listens on, from a range of this pytest-xdist worker's own.
+
+    Two workers never draw from the same range, and within a worker each call takes the next port that binds, so
+    two launches (or a launch and a socket still in TIME_WAIT) never share one. `accelerate launch` would otherwise
+    take its default 29500 for every multi-process run, and no two of them could run at once."""
+    base = FIRST_PORT + PORTS_PER_WORKER * _worker_index()
+    for _ in range(PORTS_PER_WORKER):
+        port = base + next(_ports) % PORTS_PER_WORKER
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {base}..{base + PORTS_PER_WORKER - 1}")
+
+
+def launch_command(*script_and_args, config_file=None, processes=2):
+    """argv of `accelerate launch` with `processes` CPU processes on a port of this worker's own: the shipped
+    `config_file` (examples/accelerate_configs) with what a CPU machine needs overridden, or plain multi-process
+    (gloo) without one. Every multi-process launch of the tests goes through here (tests/test_harness.py checks it)."""
+    if config_file is None:
+        engine = ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"]
+    else:
+        engine = ["--config_file", config_file]
+    return [sys.executable, "-m", "accelerate.commands.launch", *engine, "--num_processes", str(processes),
+            "--mixed_precision", "no", "--main_process_port", str(free_port()), *script_and_args]
+
+
+LAUNCH_ENV = dict(HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+
+
+def with_vllm(env):
+    """`env` for a subprocess that uses vLLM: the suite's subprocesses see it only when asked (tests/harness)."""
+    return dict(env, TRL_RPP_TESTS_VLLM="1")
