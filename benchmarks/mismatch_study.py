@@ -35,8 +35,8 @@ without it, a top-1 capture of the sampled token's log-prob. Arms:
 - `sc_full`: score centering over the whole vocabulary (`score_centering_top_k` = vocabulary size): no tail model;
 - `onpolicy` (only with `bias<sigma>`): the trainer's own logits carry the bias, so sampler and trainer agree.
 
-Scores (held-out prompts, exact): `copy_prob`, the teacher-forced probability of each answer character and of the
-end-of-sequence token after it, averaged over positions and prompts; each scored under the trainer and under the
+Scores (held-out prompts, exact): `copy_prob`, the teacher-forced probability of each answer character, averaged
+over positions and prompts; each scored under the trainer and under the
 sampler (the model that would generate next), after training and every `--eval_every` steps (the area under that
 curve, `curve_area`). Greedy per-position credit at the end. Statistics (pure functions below): Welch's unpaired 95%
 interval of a difference of means and a two-sided permutation test; seeds are not paired (runs that share a seed
@@ -118,14 +118,10 @@ def copy_rows(n: int, seed: int, lengths=LENGTHS):
 
 
 def copy_credit_reward(completions, answer, **kwargs):
-    """Credit per position: the number of positions ``j < len(answer)`` where the completion has the answer's
-    character, divided by ``max(len(answer), len(completion))``. So a completion earns 1 only by copying the whole
-    answer and stopping right after it, and every position after the first carries reward of its own."""
-    out = []
-    for text, target in zip(completions, answer):
-        hits = sum(a == b for a, b in zip(text, target))
-        out.append(hits / max(len(target), len(text), 1))
-    return out
+    """Credit per position: the share of the answer's positions ``j`` where the completion has the answer's
+    character. Every position carries reward of its own, so after the first character, whose sampled value differs
+    within a group, the later ones still decide part of the reward. What follows the answer is not scored."""
+    return [sum(a == b for a, b in zip(text, target)) / len(target) for text, target in zip(completions, answer)]
 
 
 def t_quantile(p: float, df: float) -> float:
@@ -391,9 +387,9 @@ def mismatch_trainer(base, sampler: Sampler, correction: str):
 
 
 def copy_prob(model, tokenizer, rows, logit_bias=None, batch_size: int = 128) -> float:
-    """Mean over `rows` of the teacher-forced probability (temperature 1) of each answer character and of the
-    end-of-sequence token after them, averaged over those ``len(answer) + 1`` positions. ``logit_bias`` ``[V]`` is
-    added to the logits (a biased sampler)."""
+    """Mean over `rows` of the teacher-forced probability (temperature 1) of each answer character given the prompt
+    and the answer's previous characters, averaged over the answer's positions: the expected per-position credit of
+    sampling one position on the right prefix. ``logit_bias`` ``[V]`` is added to the logits (a biased sampler)."""
     import torch
 
     was_training = model.training
@@ -405,7 +401,7 @@ def copy_prob(model, tokenizer, rows, logit_bias=None, batch_size: int = 128) ->
             seqs, spans = [], []
             for r in chunk:
                 prompt = tokenizer(r["prompt"], add_special_tokens=False).input_ids
-                answer = tokenizer(r["answer"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+                answer = tokenizer(r["answer"], add_special_tokens=False).input_ids
                 seqs.append(prompt + answer)
                 spans.append((len(prompt), len(answer)))
             width = max(map(len, seqs))
@@ -473,7 +469,7 @@ def run_one(condition: str, arm: str, seed: int, opts):
     tokenizer = AutoTokenizer.from_pretrained(path)
     lengths = tuple(opts.lengths)
     train, heldout = copy_rows(4000, seed + 1, lengths), copy_rows(opts.heldout, 10_000, lengths)
-    max_new = max(lengths) + 1  # room for the end-of-sequence token
+    max_new = max(lengths)  # what follows the answer is not scored
     sampler = Sampler(condition, in_trainer=arm == "onpolicy")
     sc = arm.startswith("sc")
     args = RPPConfig(

@@ -104,8 +104,8 @@ def test_permutation_p_value_by_hand_and_by_sampling():
 def test_curve_area_and_copy_reward_by_hand():
     assert ms.curve_area([[0, 0.0], [10, 1.0], [20, 1.0]]) == 0.75  # (5 + 10) / 20
     assert ms.curve_area([[0, 0.2], [300, 0.2]]) == pytest.approx(0.2)
-    assert ms.copy_credit_reward(["abc", "ab", "abcd", "xbc", "", "b"], ["abc"] * 5 + ["a"]) == [
-        1.0, 2 / 3, 3 / 4, 2 / 3, 0.0, 0.0]
+    assert ms.copy_credit_reward(["abc", "ab", "abcd", "xbc", "", "b", "a9"], ["abc"] * 5 + ["a", "a"]) == [
+        1.0, 2 / 3, 1.0, 2 / 3, 0.0, 0.0, 1.0]
     rows = ms.copy_rows(200, 0, lengths=(1, 3))
     assert {len(r["answer"]) for r in rows} == {1, 3} and all(r["prompt"] == r["answer"] + ":" for r in rows)
 
