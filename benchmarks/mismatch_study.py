@@ -647,9 +647,13 @@ def report(opts):
                 continue
             rs = runs[arm]
             gap = [v for r in rs for v in r["series"].get("mismatch/abs_log_ratio_mean", []) if v is not None]
+            curves = [r["curves"]["sampler_copy_prob"] for r in rs]
+            n = min(map(len, curves))
             rows[arm] = dict(seeds=[r["seed"] for r in rs], **{k: [r[k] for r in rs] for k, _ in METRICS},
                              gap=sum(gap) / len(gap) if gap else None,
-                             cpu_seconds=sum(r["cpu_seconds"] for r in rs) / len(rs))
+                             cpu_seconds=sum(r["cpu_seconds"] for r in rs) / len(rs),
+                             mean_sampler_curve=[[curves[0][j][0], sum(c[j][1] for c in curves) / len(curves)]
+                                                 for j in range(n)])
             cells = [_mean_ci(rows[arm][k]) for k, _ in METRICS]
             lines.append(f"| `{arm}` | {len(rs)} | " + " | ".join(cells) +
                          f" | {rows[arm]['gap']:.3g} | {rows[arm]['cpu_seconds']:.0f} |")
@@ -713,9 +717,12 @@ def plot(opts, out, conditions):
     import matplotlib.pyplot as plt
 
     conditions = [c for c in conditions if c in out]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4))
+    # Learning curves at the condition with the largest mismatch that is not the bias sanity check.
+    gap_of = {c: max((r["gap"] or 0.0) for r in out[c]["arms"].values()) for c in conditions if not c.startswith("bias")}
+    curve_at = max(gap_of, key=gap_of.get) if gap_of else conditions[0]
     for i, arm in enumerate(ALL_ARMS):
-        for ax, key in ((axes[0], "sampler_copy_prob_after"), (axes[1], "sampler_copy_prob_area")):
+        for ax, key in ((axes[0], "sampler_copy_prob_area"), (axes[1], "sampler_copy_prob_after")):
             xs, ys, es = [], [], []
             for j, c in enumerate(conditions):
                 values = out[c]["arms"].get(arm, {}).get(key)
@@ -731,11 +738,16 @@ def plot(opts, out, conditions):
                 if arm in out[c]["arms"] and out[c]["arms"][arm]["gap"] is not None]
         if gaps:
             axes[2].plot([g[0] for g in gaps], [g[1] for g in gaps], "o", color=f"C{i}")
-    for ax, title in zip(axes, ("final copy probability under the sampler (95% t)",
-                                "area under the learning curve, under the sampler", "mean |log p − log q| per token")):
+        row = out[curve_at]["arms"].get(arm)
+        if row:
+            axes[3].plot([p[0] for p in row["mean_sampler_curve"]], [p[1] for p in row["mean_sampler_curve"]],
+                         color=f"C{i}", label=f"{arm} ({len(row['seeds'])} seeds)")
+    for ax, title in zip(axes, ("area under the learning curve, under the sampler (95% t)",
+                                "final copy probability under the sampler (95% t)", "mean |log p − log q| per token")):
         ax.set_xticks(range(len(conditions)), conditions)
         ax.set(title=title, xlabel="mismatch source")
     axes[2].set_yscale("log")
+    axes[3].set(title=f"{curve_at}: under the sampler, mean over seeds", xlabel="step")
     axes[0].legend(fontsize=8)
     fig.suptitle("Study 4: score centering against sampler–trainer mismatch (tiny model, multi-position copy)")
     fig.tight_layout()

@@ -248,7 +248,7 @@ def test_every_arm_and_source_runs_and_the_report_reads_them(tmp_path, tiny_mode
 def _summary(condition, arm, seed, score, gap=0.1):
     keys = {f"{p}copy_prob_{w}": score for p in ("", "sampler_") for w in ("after", "area")}
     return dict(condition=condition, arm=arm, seed=seed, cpu_seconds=40.0, **keys,
-                series={"mismatch/abs_log_ratio_mean": [gap, gap]})
+                series={"mismatch/abs_log_ratio_mean": [gap, gap]}, curves={"sampler_copy_prob": [[0, 0.0], [10, score]]})
 
 
 def test_report_contrasts_are_welch_and_permutation_of_the_files(tmp_path):
@@ -274,5 +274,7 @@ def test_report_contrasts_are_welch_and_permutation_of_the_files(tmp_path):
     assert c["sc32 − uncorrected"]["copy_prob_after"]["diff"] == pytest.approx(0.45)
     assert c["sc32 − uncorrected"]["copy_prob_after"]["p"] == pytest.approx(1 / 35)
     assert "sc_full − sc32" not in c  # no sc_full runs: no contrast
+    assert out["int4"]["arms"]["sc32"]["mean_sampler_curve"] == [[0, 0.0], [10, pytest.approx(0.65)]]
+    assert (tmp_path / "figures" / "evidence_mismatch_study.png").stat().st_size > 10_000
     md = (tmp_path / "report.md").read_text()
     assert "| `sc32` | 4 | 0.650 [" in md and "| sc32 − uncorrected | +0.450 [" in md
