@@ -21,7 +21,7 @@ from trl_rpp import RPPConfig, RPPTrainer
 from trl_rpp.grad_guard import (
     GradGuard, NonFiniteGradientError, as_float, consecutive_after, count_skipped, guard_applies, skip_next_step,
 )  # fmt: skip
-from trl_rpp.testing.tiny import build_tiny_model, copy_task_dataset
+from trl_rpp.testing.tiny import copy_task_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CPU = dict(output_dir="/tmp/trl_rpp_grad_guard_cfg", report_to="none", use_cpu=True, bf16=False)
@@ -260,8 +260,7 @@ def test_limit_zero_stops_at_the_first_non_finite_step(tmp_path, tiny_model):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def launch(tmp_path, mode):
-    model_path = build_tiny_model(tmp_path / "model")
+def launch(tmp_path, model_path, mode):
     env = dict(os.environ, **LAUNCH_ENV)
     cmd = launch_command(os.path.join(HERE, "grad_guard_script.py"), str(tmp_path), model_path, mode)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)  # a hung collective fails
@@ -269,8 +268,8 @@ def launch(tmp_path, mode):
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
-def test_two_processes_skip_the_step_that_one_process_broke(tmp_path):
-    ranks = launch(tmp_path, "skip")
+def test_two_processes_skip_the_step_that_one_process_broke(tmp_path, tiny_model):
+    ranks = launch(tmp_path, tiny_model, "skip")
     assert ranks[0]["fired"] == [2] and ranks[1]["fired"] == []  # the fault was on rank 0 only
     for r, run in enumerate(ranks):
         assert run["error"] is None and run["global_step"] == 4, r
@@ -289,9 +288,9 @@ def test_two_processes_skip_the_step_that_one_process_broke(tmp_path):
         h["grad_norm"] for h in ranks[1]["logs"] if "loss" in h and h["step"] != 2]
 
 
-def test_two_processes_stop_together_after_too_many_skips(tmp_path):
+def test_two_processes_stop_together_after_too_many_skips(tmp_path, tiny_model):
     """Limit 1, the fault at steps 2 and 3 on rank 0: both ranks skip step 2 and raise at step 3 (no hang)."""
-    ranks = launch(tmp_path, "stop")
+    ranks = launch(tmp_path, tiny_model, "stop")
     for r, run in enumerate(ranks):
         assert run["error"] is not None and run["error"].startswith(
             "NonFiniteGradientError: RPPTrainer (train, step 3): the gradient norm before clipping was non-finite at 2 "

@@ -282,13 +282,12 @@ def test_logprobs_row_of_wrong_length_is_an_error(tmp_path, tiny_model):
 
 
 @pytest.mark.slow
-def test_two_process_multi_turn_matches_global_reference(tmp_path):
+def test_two_process_multi_turn_matches_global_reference(tmp_path, tiny_model):
     """2 gloo processes, one group of 8 spanning both: each rank's advantages equal the float64 reference on the
     concatenation of both ranks' rows (model tokens only), advantages/valid_tokens is the global model-token count,
     and normalizing one rank alone would differ. REINFORCE++ builds its returns in the loss (steps_per_generation=1)."""
-    model_path = build_tiny_model(tmp_path / "model")
     env = dict(os.environ, **LAUNCH_ENV)
-    cmd = launch_command(os.path.join(HERE, "multi_turn_script.py"), str(tmp_path), model_path)
+    cmd = launch_command(os.path.join(HERE, "multi_turn_script.py"), str(tmp_path), tiny_model)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for estimator in ESTIMATOR_KW:

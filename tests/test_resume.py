@@ -12,7 +12,6 @@ import pytest
 
 from trl_rpp.checkpoint import (DamagedCheckpointError, ResumeLayout, checkpoint_problem, newest_complete_checkpoint,
                                  required_files)
-from trl_rpp.testing.tiny import build_tiny_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1")
@@ -32,10 +31,10 @@ def per_step(log_history):
     "estimator,steps_per_generation",
     [("reinforce_plus_plus", 1), ("reinforce_plus_plus_baseline", 1), ("reinforce_plus_plus", 2)],
 )
-def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, estimator, steps_per_generation):
+def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, tiny_model, estimator, steps_per_generation):
     """With steps_per_generation=2 the checkpoint at step 3 falls inside a generation batch (steps 3-4 share one):
     the batch is saved with the checkpoint and step 4 trains on it after the resume, as it would have."""
-    model = build_tiny_model(tmp_path / "model")
+    model = tiny_model
     full, broken = str(tmp_path / "full"), str(tmp_path / "broken")
     spg = ("--steps_per_generation", str(steps_per_generation))
     os.makedirs(broken)
@@ -94,9 +93,9 @@ KILL_CASES = {
 
 
 @pytest.fixture(scope="module")
-def kill_reference(tmp_path_factory):
+def kill_reference(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("kill")
-    model = build_tiny_model(root / "model")
+    model = tiny_model
     full = str(root / "full")
     subprocess.run(script("--model", model, "--output_dir", full, *KILL_ARGS), env=ENV, check=True,
                    capture_output=True, timeout=600)

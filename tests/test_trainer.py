@@ -105,13 +105,13 @@ def test_trainer_rejects_plain_grpo_config(tiny_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
-def test_tiny_model_learns_copy_task(tmp_path, tiny_model, estimator):
-    """Budget: 200 optimizer steps of 8 prompts x 8 samples (about 20 s here). Reward must go from < 0.2 to > 0.8."""
-    torch.set_num_threads(1)
+def test_tiny_model_learns_copy_task(tmp_path, tiny_model):
+    """REINFORCE++ learns: 200 optimizer steps of 8 prompts x 8 samples (about 20 s). Reward must go from < 0.2 to
+    > 0.8. REINFORCE++-baseline's learning run is `make demo-tiny`'s, checked by
+    tests/test_demo_and_benchmarks.py::test_demo_tiny_learns_and_leaves_every_artifact (held-out accuracy > 0.8)."""
     args = make_args(
         tmp_path,
-        estimator,
+        "reinforce_plus_plus",
         per_device_train_batch_size=64,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
