@@ -13,6 +13,7 @@ held, so they agree to float32 rounding of the exp and the sums (`REL_TOL = 1e-5
 import json
 import math
 import os
+from collections import defaultdict
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import torch
 
 from reference import ref_global_masked_normalize, ref_group_mean_advantages, ref_reinforce_pp_returns
 from test_engines import launch
-from trainer_helpers import free_port
+from trainer_helpers import IS_MODES, IS_STEPS_PER_MODE, free_port
 from trl_rpp.testing.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -195,17 +196,16 @@ def ref_weighted_loss(logps, old, adv, mask, weights, eps_low, eps_high):
 
 
 
-@pytest.mark.parametrize("estimator,mode", [("reinforce_plus_plus", "token_truncate"),
-                                            ("reinforce_plus_plus_baseline", "token_mask"),
-                                            ("reinforce_plus_plus_baseline", "sequence_truncate"),
-                                            ("reinforce_plus_plus", "sequence_mask")])
-def test_importance_sampling_modes_with_the_engines_logprobs(single, estimator, mode):
-    run = single[f"is_{estimator}_{mode}"]
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_importance_sampling_modes_with_the_engines_logprobs(single, estimator):
+    """Each of TRL's four modes in turn, two generations each, in one run per estimator (one engine start): the
+    ratio against the float64 reference from the engine's and the trainer's log-probs, and each loss call's value."""
+    run = single[f"is_{estimator}"]
     check_real_engine(run, dtype="torch.bfloat16")  # vLLM's default for a float32 checkpoint: a real drift
     facts = run["facts"]
-    assert facts["mode"] == mode
-    affected = total = 0
-    for batch, sampler in zip(run["batches"], run["sampler_calls"], strict=True):
+    assert run["is_modes"] == [m for m in IS_MODES for _ in range(IS_STEPS_PER_MODE)], run["is_modes"]
+    affected, total = defaultdict(int), defaultdict(int)
+    for batch, sampler, mode in zip(run["batches"], run["sampler_calls"], run["is_modes"], strict=True):
         mask = batch["completion_mask"]
         padded = [row + [0.0] * (len(mask[0]) - len(row)) for row in sampler]
         want = ref_is_ratio(batch["old_per_token_logps"], padded, mask, mode, facts["clip_min"], facts["clip_max"])
@@ -214,11 +214,13 @@ def test_importance_sampling_modes_with_the_engines_logprobs(single, estimator, 
             for t, (g, w) in enumerate(zip(g_row, w_row)):
                 if len(w_row) > 1 and not m_row[t]:
                     continue  # TRL's per-token ratio at padding is 1 and never read
-                assert math.isclose(g, w, rel_tol=REL_TOL, abs_tol=1e-7), (t, g, w)
-                total += 1
-                affected += w == 0.0 if mode.endswith("mask") else w in (facts["clip_min"], facts["clip_max"])
-    # The narrow clip range [0.999, 1.001] and the bf16 engine's drift make the mode act on some weights, not all.
-    assert 0 < affected < total, (affected, total)
+                assert math.isclose(g, w, rel_tol=REL_TOL, abs_tol=1e-7), (mode, t, g, w)
+                total[mode] += 1
+                affected[mode] += w == 0.0 if mode.endswith("mask") else w in (facts["clip_min"], facts["clip_max"])
+    # The narrow clip range [0.999, 1.001] and the bf16 engine's drift make each mode act on some weights, not all.
+    for mode in IS_MODES:
+        assert 0 < affected[mode] < total[mode], (mode, affected[mode], total[mode])
+    assert len(run["loss_calls"]) == len(run["batches"])
     for call in run["loss_calls"]:
         want = ref_weighted_loss(call["logps"], call["old_logps"], call["advantages"], call["mask"],
                                  call["importance_sampling_ratio"], facts["epsilon_low"], facts["epsilon_high"])

@@ -12,6 +12,11 @@ import torch
 from trl_rpp import RPPConfig, RPPTrainer
 
 
+# TRL's importance-sampling modes, each run for this many generations by the vLLM engine test's cycling run.
+IS_MODES = ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+IS_STEPS_PER_MODE = 2
+
+
 def length_reward(completions, **kwargs):
     """A second, continuous reward so that the weighted sum over reward functions is exercised."""
     return [len(c) / 4.0 for c in completions]

@@ -31,16 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from trainer_helpers import CaptureTrainer, length_reward  # noqa: E402
+from trainer_helpers import IS_MODES, IS_STEPS_PER_MODE, CaptureTrainer, length_reward  # noqa: E402
 from trl_rpp import RPPConfig  # noqa: E402
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
 
 PROBE_TEXT = "abc:abcdefgh"  # a fixed sequence whose log-probs engine and trainer both compute
-IS_MODES = ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-# Each mode once, the estimators alternating: TRL's ratio does not depend on the estimator, and each case costs an
-# engine start (CI time); both estimators still meet a token-level and a sequence-level mode.
-IS_CASES = [("reinforce_plus_plus", "token_truncate"), ("reinforce_plus_plus_baseline", "token_mask"),
-            ("reinforce_plus_plus_baseline", "sequence_truncate"), ("reinforce_plus_plus", "sequence_mask")]
 
 
 def tensors_to_lists(x):
@@ -65,10 +60,19 @@ class ProbingTrainer(CaptureTrainer):
     both sync the weights first), probes the engine against the trainer's current policy, and records each policy
     loss call's inputs and value."""
 
-    def __init__(self, *a, initial_probe=None, **kw):
+    def __init__(self, *a, initial_probe=None, cycle_is_modes=False, **kw):
         super().__init__(*a, **kw)
         self.initial_probe, self.sync_probes, self.topk_probes, self.loss_calls = initial_probe, [], [], []
         self.probe_ids = self.processing_class(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+        self.cycle_is_modes, self.is_modes = cycle_is_modes, []
+
+    def _generate_and_score_completions(self, inputs):
+        """With `cycle_is_modes`, each of TRL's four importance-sampling modes in turn, IS_STEPS_PER_MODE generations
+        each: one engine checks all four (TRL reads the mode at every generation), where four runs would start four."""
+        if self.cycle_is_modes:
+            self.vllm_importance_sampling_mode = IS_MODES[len(self.is_modes) // IS_STEPS_PER_MODE % len(IS_MODES)]
+        self.is_modes.append(self.vllm_importance_sampling_mode)
+        return super()._generate_and_score_completions(inputs)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
         out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
@@ -159,10 +163,11 @@ SINGLE = {
     "baseline_sc32": ("reinforce_plus_plus_baseline",
                       dict(vllm_dtype="float32", max_steps=3, score_centering=True, score_centering_top_k=32,
                            vllm_importance_sampling_mode="token_truncate"), False),
-    **{f"is_{est}_{mode}": (est, dict(max_steps=2, vllm_importance_sampling_mode=mode,
-                                      vllm_importance_sampling_clip_min=0.999, vllm_importance_sampling_clip_max=1.001),
-                            False)
-       for est, mode in IS_CASES},
+    # Both estimators through all four modes (ProbingTrainer.cycle_is_modes), one engine each.
+    **{f"is_{est}": (est, dict(max_steps=IS_STEPS_PER_MODE * len(IS_MODES), vllm_importance_sampling_mode=IS_MODES[0],
+                               vllm_importance_sampling_clip_min=0.999, vllm_importance_sampling_clip_max=1.001),
+                     False)
+       for est in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")},
     "is_sc_token_mask": ("reinforce_plus_plus_baseline",
                          dict(max_steps=2, score_centering=True, score_centering_top_k=32,
                               vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.999,
@@ -201,7 +206,8 @@ def run_case(outdir, model_path, name, spec, initial_probe, zero3=False):
     args = make_config(outdir, name, estimator, overrides, zero3)
     peft = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0) if lora else None
     trainer = ProbingTrainer(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
-                             train_dataset=copy_task_dataset(64, seed=1), peft_config=peft, initial_probe=initial_probe)
+                             train_dataset=copy_task_dataset(64, seed=1), peft_config=peft, initial_probe=initial_probe,
+                             cycle_is_modes=name.startswith("is_reinforce"))
     sampler_logps_recorder(trainer)
     trainer.train()
     engine = trainer.vllm_generation.llm.llm_engine
@@ -215,7 +221,7 @@ def run_case(outdir, model_path, name, spec, initial_probe, zero3=False):
                   "epsilon_low": trainer.epsilon_low, "epsilon_high": trainer.epsilon_high,
                   "mode": trainer.vllm_importance_sampling_mode, "clip_min": trainer.vllm_importance_sampling_clip_min,
                   "clip_max": trainer.vllm_importance_sampling_clip_max},
-        "logs": trainer.state.log_history,
+        "logs": trainer.state.log_history, "is_modes": trainer.is_modes,
         "sync_probes": trainer.sync_probes, "topk_probes": trainer.topk_probes,
         "sampler_calls": trainer.sampler_calls, "loss_calls": trainer.loss_calls,
         "rewards": tensors_to_lists(trainer.captured_rewards),
