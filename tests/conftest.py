@@ -35,14 +35,22 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
+# Session fixtures that run something big once for tests in several modules: their tests share one xdist worker.
+SHARED_RUNS = {"two_process_runs"}
+
+
 def pytest_collection_modifyitems(config, items):
     """Keep the tests of a module that share a module-scoped fixture on one xdist worker (`--dist loadgroup`), so
-    that the fixture (a vLLM engine, a reference run) is made once; every other test is scheduled on its own.
-    The slow tests go first, so that a long one does not start last on one worker while the other idles."""
+    that the fixture (a vLLM engine, a reference run) is made once, and likewise the tests of a SHARED_RUNS fixture;
+    every other test is scheduled on its own. The slow tests go first, so that a long one does not start last on
+    one worker while the other idles."""
     for item in items:
-        defs = getattr(item, "_fixtureinfo", None)
-        defs = defs.name2fixturedefs.values() if defs is not None else ()
-        if any(d.scope == "module" for fixturedefs in defs for d in fixturedefs):
+        info = getattr(item, "_fixtureinfo", None)
+        names = set(info.names_closure) if info is not None else set()
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if names & SHARED_RUNS:
+            item.add_marker(pytest.mark.xdist_group(sorted(names & SHARED_RUNS)[0]))
+        elif any(d.scope == "module" for fixturedefs in defs for d in fixturedefs):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
@@ -81,3 +89,22 @@ def tool_model(tmp_path_factory):
     from trl_rpp.testing.tool_model import build_tool_model
 
     return shared_build(tmp_path_factory, "tool_model", build_tool_model)
+
+
+@pytest.fixture(scope="session")
+def two_process_runs(tmp_path_factory, tiny_model):
+    """The folder of the suite's one `accelerate launch` of two CPU processes (tests/two_process_script.py), which
+    runs the two-process trainer cases of several test files in turn: one start of both processes for all."""
+    import subprocess
+
+    from trainer_helpers import LAUNCH_ENV, launch_command, train_eos_after_a
+    from trl_rpp.testing.tiny import build_tiny_model
+
+    outdir = tmp_path_factory.mktemp("two_process_runs")
+    eos_model = build_tiny_model(outdir / "eos_model")
+    train_eos_after_a(eos_model)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "two_process_script.py")
+    proc = subprocess.run(launch_command(script, str(outdir), tiny_model, eos_model), env=dict(os.environ, **LAUNCH_ENV),
+                          capture_output=True, text=True, timeout=540)  # a hung collective fails instead of blocking
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return outdir

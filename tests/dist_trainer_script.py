@@ -1,4 +1,5 @@
-"""Run by tests/test_trainer_distributed.py under `accelerate launch --multi_gpu --num_processes 2` (gloo on CPU):
+"""The cases of tests/test_trainer_distributed.py, run under `accelerate launch --multi_gpu --num_processes 2` (gloo on
+CPU) by tests/two_process_script.py, or alone:
 
     dist_trainer_script.py OUTDIR MODEL EOS_MODEL ESTIMATOR:MODE [ESTIMATOR:MODE ...]
 
@@ -14,11 +15,14 @@ from pathlib import Path
 
 import torch
 
-warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from trainer_helpers import CaptureTrainer, length_reward, make_args  # noqa: E402
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
+
+
+ESTIMATORS = ["reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+CASES = ["reinforce_plus_plus:deferred", *(f"{e}:{mode}" for mode in ("groups", "mask_truncated") for e in ESTIMATORS)]
 
 
 def run_case(outdir, model_path, estimator, mode):
@@ -60,6 +64,7 @@ def run_case(outdir, model_path, estimator, mode):
 
 
 def main(outdir, model_path, eos_model_path, *cases):
+    warnings.filterwarnings("ignore")
     for case in cases:
         estimator, mode = case.split(":")
         run_case(outdir, eos_model_path if mode == "mask_truncated" else model_path, estimator, mode)

@@ -7,7 +7,6 @@ a bf16 overflow. Without the guard that step writes NaN into the weights (`test_
 
 import math
 import os
-import subprocess
 import warnings
 from collections import defaultdict
 
@@ -16,7 +15,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from grad_guard_script import InfHiddenStates, Snapshots, identical, varied_reward
-from trainer_helpers import LAUNCH_ENV, launch_command, make_args
+from trainer_helpers import make_args
 from trl_rpp import RPPConfig, RPPTrainer
 from trl_rpp.grad_guard import (
     GradGuard, NonFiniteGradientError, as_float, consecutive_after, count_skipped, guard_applies, skip_next_step,
@@ -260,16 +259,13 @@ def test_limit_zero_stops_at_the_first_non_finite_step(tmp_path, tiny_model):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def launch(tmp_path, model_path, mode):
-    env = dict(os.environ, **LAUNCH_ENV)
-    cmd = launch_command(os.path.join(HERE, "grad_guard_script.py"), str(tmp_path), model_path, mode)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)  # a hung collective fails
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def ranks_of(two_process_runs, mode):
+    """Both ranks' records of tests/grad_guard_script.py in `mode`, from the suite's two-process launch."""
+    return [torch.load(two_process_runs / f"grad_guard_{mode}" / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
-def test_two_processes_skip_the_step_that_one_process_broke(tmp_path, tiny_model):
-    ranks = launch(tmp_path, tiny_model, "skip")
+def test_two_processes_skip_the_step_that_one_process_broke(two_process_runs):
+    ranks = ranks_of(two_process_runs, "skip")
     assert ranks[0]["fired"] == [2] and ranks[1]["fired"] == []  # the fault was on rank 0 only
     for r, run in enumerate(ranks):
         assert run["error"] is None and run["global_step"] == 4, r
@@ -288,9 +284,9 @@ def test_two_processes_skip_the_step_that_one_process_broke(tmp_path, tiny_model
         h["grad_norm"] for h in ranks[1]["logs"] if "loss" in h and h["step"] != 2]
 
 
-def test_two_processes_stop_together_after_too_many_skips(tmp_path, tiny_model):
+def test_two_processes_stop_together_after_too_many_skips(two_process_runs):
     """Limit 1, the fault at steps 2 and 3 on rank 0: both ranks skip step 2 and raise at step 3 (no hang)."""
-    ranks = launch(tmp_path, tiny_model, "stop")
+    ranks = ranks_of(two_process_runs, "stop")
     for r, run in enumerate(ranks):
         assert run["error"] is not None and run["error"].startswith(
             "NonFiniteGradientError: RPPTrainer (train, step 3): the gradient norm before clipping was non-finite at 2 "

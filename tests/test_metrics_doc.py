@@ -10,7 +10,7 @@ import pytest
 from datasets import Dataset
 
 from trl_rpp import RPPConfig, RPPTrainer
-from trl_rpp.testing.tiny import build_tiny_model, copy_first_char_reward, copy_task_dataset
+from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -33,14 +33,13 @@ def documented_patterns():
     return [re.compile(rf"(eval_)?{p}") for p in patterns]
 
 
-def run_keys(tmp_path, estimator, **kw):
+def run_keys(tmp_path, model, estimator, **kw):
     args = RPPConfig(
         output_dir=str(tmp_path / estimator), advantage_estimator=estimator, report_to="none", use_cpu=True,
         bf16=False, per_device_train_batch_size=4, per_device_eval_batch_size=4, num_generations=4,
         max_completion_length=3, max_steps=2, logging_steps=1, save_strategy="no", eval_strategy="steps",
         eval_steps=2, seed=0, **kw,
     )  # fmt: skip
-    model = build_tiny_model(tmp_path / "model")
     trainer = RPPTrainer(model=model, reward_funcs=copy_first_char_reward, args=args,
                          train_dataset=Dataset.from_list(copy_task_dataset(32)),
                          eval_dataset=Dataset.from_list(copy_task_dataset(8, seed=3)))  # fmt: skip
@@ -49,11 +48,11 @@ def run_keys(tmp_path, estimator, **kw):
 
 
 @pytest.mark.slow
-def test_every_logged_key_is_documented(tmp_path):
+def test_every_logged_key_is_documented(tmp_path, tiny_model):
     patterns = documented_patterns()
     assert len(patterns) > 40  # the parser found the tables
-    rpp = run_keys(tmp_path, "reinforce_plus_plus", steps_per_generation=2, gradient_accumulation_steps=2)
-    baseline = run_keys(tmp_path, "reinforce_plus_plus_baseline", score_centering=True)
+    rpp = run_keys(tmp_path, tiny_model, "reinforce_plus_plus", steps_per_generation=2, gradient_accumulation_steps=2)
+    baseline = run_keys(tmp_path, tiny_model, "reinforce_plus_plus_baseline", score_centering=True)
     undocumented = sorted(k for k in rpp | baseline if not any(p.fullmatch(k) for p in patterns))
     assert not undocumented, f"logged but not in docs/metrics.md: {undocumented}"
     # What the page says these configurations log, they log (training and evaluation).

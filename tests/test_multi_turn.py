@@ -7,13 +7,11 @@ after the last turn on every other completion (`tests/multi_turn_script.py`). Th
 rebuilt from the rollout's own `env_mask`, never read from the trainer's batch.
 """
 
-import os
-import subprocess
 
 import pytest
 import torch
 
-from multi_turn_script import ESTIMATOR_KW, HERE, MultiTurnTrainer, RecordedRollout, build
+from multi_turn_script import ESTIMATOR_KW, MultiTurnTrainer, RecordedRollout, build
 from reference import (
     ref_global_masked_normalize,
     ref_group_mean_advantages,
@@ -21,7 +19,7 @@ from reference import (
     ref_response_mean_k2_loss,
     ref_response_mean_ppo_loss,
 )
-from trainer_helpers import LAUNCH_ENV, initial_model_logps, launch_command, make_args, train_eos_after_a
+from trainer_helpers import initial_model_logps, make_args, train_eos_after_a
 from trl_rpp.rollouts import check_external_mask
 from trl_rpp.testing.tiny import build_tiny_model
 
@@ -282,16 +280,13 @@ def test_logprobs_row_of_wrong_length_is_an_error(tmp_path, tiny_model):
 
 
 @pytest.mark.slow
-def test_two_process_multi_turn_matches_global_reference(tmp_path, tiny_model):
+def test_two_process_multi_turn_matches_global_reference(two_process_runs):
     """2 gloo processes, one group of 8 spanning both: each rank's advantages equal the float64 reference on the
     concatenation of both ranks' rows (model tokens only), advantages/valid_tokens is the global model-token count,
     and normalizing one rank alone would differ. REINFORCE++ builds its returns in the loss (steps_per_generation=1)."""
-    env = dict(os.environ, **LAUNCH_ENV)
-    cmd = launch_command(os.path.join(HERE, "multi_turn_script.py"), str(tmp_path), tiny_model)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    outdir = two_process_runs / "multi_turn"
     for estimator in ESTIMATOR_KW:
-        ranks = [torch.load(tmp_path / f"{estimator}-rank{r}.pt", weights_only=False) for r in range(2)]
+        ranks = [torch.load(outdir / f"{estimator}-rank{r}.pt", weights_only=False) for r in range(2)]
         assert ranks[0]["backend"] == "gloo"
         differs = []
         for step in range(2):

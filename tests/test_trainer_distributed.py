@@ -1,33 +1,19 @@
 """RPPTrainer under `accelerate launch` with 2 CPU processes (gloo): groups straddle processes and the
 normalization covers the global population. Each rank's advantages are compared with the float64 reference
-computed on the concatenation of both ranks' data. Every case runs in one launch (the module fixture `runs`)."""
-
-import os
-import subprocess
+computed on the concatenation of both ranks' data. Every case runs in the suite's one two-process launch
+(`two_process_runs`, tests/conftest.py)."""
 
 import pytest
 import torch
 
+from dist_trainer_script import CASES, ESTIMATORS
 from reference import ref_global_masked_normalize, ref_group_mean_advantages, ref_reinforce_pp_returns
-from trainer_helpers import LAUNCH_ENV, launch_command, train_eos_after_a
-from trl_rpp.testing.tiny import build_tiny_model
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-ESTIMATORS = ["reinforce_plus_plus", "reinforce_plus_plus_baseline"]
-CASES = ["reinforce_plus_plus:deferred", *(f"{e}:{mode}" for mode in ("groups", "mask_truncated") for e in ESTIMATORS)]
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model):
-    """Every case in one launch of 2 processes (tests/dist_trainer_script.py): (estimator, mode) -> both ranks' records."""
-    outdir = tmp_path_factory.mktemp("dist")
-    eos_model = build_tiny_model(outdir / "eos_model")
-    train_eos_after_a(eos_model)
-    cmd = launch_command(os.path.join(HERE, "dist_trainer_script.py"), str(outdir), tiny_model, eos_model, *CASES)
-    proc = subprocess.run(cmd, env=dict(os.environ, **LAUNCH_ENV), capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+@pytest.fixture
+def runs(two_process_runs):
+    """(estimator, mode) -> both ranks' records of that case (tests/dist_trainer_script.py)."""
+    outdir = two_process_runs / "trainer"
     return {tuple(case.split(":")): [torch.load(outdir / f"{case.replace(':', '-')}-rank{r}.pt", weights_only=False)
                                      for r in range(2)] for case in CASES}
 
