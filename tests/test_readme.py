@@ -140,7 +140,8 @@ def test_demo_help_as_written():
 def test_every_readme_command_is_run_by_a_test():
     """The shell commands the README shows, fenced or inline, are exactly those the tests above (and
     tests/test_multi_turn_example.py, for the example's --help) run or check."""
-    inline = re.findall(r"`((?:make|python|pip|trl-rpp|bash|accelerate) [^`]*)`", README)
+    inline = [c for c in re.findall(r"`((?:make|python|pip|trl-rpp|bash|accelerate) [^`]*)`", README)
+              if c != "accelerate launch"]  # the tool's name in the first paragraph, not a command to run
     fenced = [" ".join(c) for b in blocks(README, "bash") for c in commands(b)]
     assert sorted(set(inline + fenced)) == sorted({
         "pip install torch==2.13.0", "pip install -e .", "make demo", "make test", "make demo-tiny", "make test-fast",
@@ -175,7 +176,11 @@ def test_trainer_doc_command_line_as_written(tmp_path):
     rewards_file(tmp_path)
     config = cli_dry_run(first, tmp_path)
     assert config["advantage_estimator"] == "reinforce_plus_plus_baseline"
-    assert config["reward_funcs"] == ["final_answer", "my_rewards.brevity"] and config["reward_weights"] == [1.0, 0.1]
+    assert config["reward_funcs"] == ["final_answer", "my_rewards.brevity"]
+    from trl_rpp.cli import make_parser
+
+    _, args, _ = make_parser().parse_args_and_config([*first[1:], "--use_cpu", "true"])  # the dry run omits weights
+    assert args.reward_weights == [1.0, 0.1]
     assert (config["use_kl_loss"], config["kl_loss_type"]) == (True, "k2")
     config = cli_dry_run(lora, tmp_path)
     assert config["peft"]["lora_r"] == 16 and config["peft"]["lora_alpha"] == 32
@@ -290,15 +295,17 @@ def test_reference_model_facts(tmp_path, tiny_model):
     data = Dataset.from_list(copy_task_dataset(8))
     kw = dict(report_to="none", use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4)
 
-    def ref(cls, config, **extra):
+    def ref(cls, config, peft_config=None, with_policy=False, **fields):
         trainer = cls(model=tiny_model, reward_funcs=copy_first_char_reward, train_dataset=data,
-                      args=config(output_dir=str(tmp_path / "out"), **kw, **{k: v for k, v in extra.items()
-                                                                             if k != "peft_config"}),
-                      **({"peft_config": extra["peft_config"]} if "peft_config" in extra else {}))  # fmt: skip
-        return trainer.ref_model
+                      args=config(output_dir=str(tmp_path / "out"), **kw, **fields),
+                      **({"peft_config": peft_config} if peft_config else {}))  # fmt: skip
+        return (trainer.ref_model, trainer.model) if with_policy else trainer.ref_model
 
-    reference = ref(RPPTrainer, RPPConfig)
-    assert reference is not None and not any(p.requires_grad for p in reference.parameters())
+    reference, policy = ref(RPPTrainer, RPPConfig, with_policy=True)
+    # A second full copy, in the policy's dtype, sharing no storage with the policy.
+    assert sum(p.numel() for p in reference.parameters()) == sum(p.numel() for p in policy.parameters())
+    assert not {p.data_ptr() for p in reference.parameters()} & {p.data_ptr() for p in policy.parameters()}
+    assert next(reference.parameters()).dtype == next(policy.parameters()).dtype
     assert ref(RPPTrainer, RPPConfig, advantage_estimator="reinforce_plus_plus_baseline") is not None
     assert ref(GRPOTrainer, GRPOConfig) is None
     assert ref(RPPTrainer, RPPConfig, peft_config=LoraConfig(r=4, target_modules=["q_proj"])) is None
@@ -306,3 +313,32 @@ def test_reference_model_facts(tmp_path, tiny_model):
     assert ref(RPPTrainer, RPPConfig, advantage_estimator="reinforce_plus_plus_baseline", use_kl_loss=False) is None
     memory = section("Memory: the reference model", TRAINER_DOC)
     assert "adapter\n  disabled" in memory or "adapter disabled" in memory
+
+
+def slug(heading):
+    """GitHub's anchor for a markdown heading: lower case, punctuation other than `-` and `_` dropped, spaces to `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_resolves():
+    """Links between the README and docs/ (and to files of the repository) point at files that exist and at headings
+    (or `<a id>` anchors) that exist, so moving a section cannot leave a dead link."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "CHANGELOG.md"]
+    dead = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                dead.append((page.name, target))
+            elif anchor and file.suffix == ".md":
+                text = file.read_text()
+                anchors = {slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+                anchors |= set(re.findall(r'<a id="([^"]+)">', text))
+                if anchor not in anchors:
+                    dead.append((page.name, target))
+    assert not dead, dead
+    assert slug("How this differs from `RLOOTrainer(normalize_advantages=True)`") == (
+        "how-this-differs-from-rlootrainernormalize_advantagestrue")
