@@ -342,3 +342,13 @@ def test_every_relative_link_resolves():
     assert not dead, dead
     assert slug("How this differs from `RLOOTrainer(normalize_advantages=True)`") == (
         "how-this-differs-from-rlootrainernormalize_advantagestrue")
+
+
+def test_numerics_functional_api_snippet_runs_as_written():
+    (snippet,) = blocks(section("Functional API", (REPO / "docs" / "numerics.md").read_text()), "python")
+    scope = {}
+    exec(compile(snippet, "docs/numerics.md", "exec"), scope)
+    mask, advantages = scope["mask"], scope["advantages"]
+    assert scope["count"].item() == 22 and bool((advantages[~mask] == 0).all())
+    assert abs(advantages[mask].mean().item()) < 1e-6 and abs(advantages[mask].std(unbiased=False).item() - 1) < 1e-5
+    assert scope["logps"].grad is not None and bool(scope["logps"].grad[~mask].eq(0).all())
