@@ -160,6 +160,7 @@ def rewards_file(tmp_path):
 
 
 def cli_dry_run(argv, cwd):
+    """The dry run as its own process, as a user runs it."""
     assert argv[0] == "trl-rpp" and argv[-1] == "--dry_run"
     proc = subprocess.run([sys.executable, "-m", "trl_rpp.cli", *argv[1:]], cwd=cwd, env=env(), capture_output=True,
                           text=True, timeout=300)  # fmt: skip
@@ -167,22 +168,38 @@ def cli_dry_run(argv, cwd):
     return json.loads(proc.stdout[proc.stdout.index("{\n"):])  # after any line an import printed (wandb's)
 
 
-def test_trainer_doc_command_line_as_written(tmp_path):
+def cli_dry_run_in_process(argv, capsys):
+    """The same program in this process (cheaper than a second interpreter start); `my_rewards` imported afresh."""
+    from trl_rpp import cli
+
+    assert argv[0] == "trl-rpp" and argv[-1] == "--dry_run"
+    sys.modules.pop("my_rewards", None)
+    cli.main(argv[1:])
+    out = capsys.readouterr().out
+    return json.loads(out[out.index("{\n"):])
+
+
+def test_trainer_doc_command_line_as_written(tmp_path, monkeypatch, capsys):
     """The data preparation is the recipe's; both `trl-rpp` commands resolve, as dry runs, to what their flags say,
-    importing the page's `my_rewards.py` from the working directory; nothing is trained or written."""
+    importing the page's `my_rewards.py` from the working directory; nothing is trained or written. Without that
+    file the dry run stops with an error naming the entry."""
+    from trl_rpp.cli import make_parser
+
     quick = section("Quick start", TRAINER_DOC)
     prepare, first, lora = [c for b in blocks(quick, "bash") for c in commands(b)][:3]
     assert prepare == ["python", "-m", "trl_rpp.recipes.gsm8k", "--source", "openai/gsm8k", "--output_dir", "data/gsm8k"]
+    monkeypatch.chdir(tmp_path)
+    sys.modules.pop("my_rewards", None)
+    with pytest.raises(ValueError, match="my_rewards.brevity"):
+        cli_dry_run_in_process(first, capsys)
     rewards_file(tmp_path)
     config = cli_dry_run(first, tmp_path)
     assert config["advantage_estimator"] == "reinforce_plus_plus_baseline"
     assert config["reward_funcs"] == ["final_answer", "my_rewards.brevity"]
-    from trl_rpp.cli import make_parser
-
     _, args, _ = make_parser().parse_args_and_config([*first[1:], "--use_cpu", "true"])  # the dry run omits weights
     assert args.reward_weights == [1.0, 0.1]
     assert (config["use_kl_loss"], config["kl_loss_type"]) == (True, "k2")
-    config = cli_dry_run(lora, tmp_path)
+    config = cli_dry_run_in_process(lora, capsys)
     assert config["peft"]["lora_r"] == 16 and config["peft"]["lora_alpha"] == 32
     assert config["peft"]["lora_target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert (config["resume_from_checkpoint"], config["push_to_hub"]) == ("outputs/qwen3-lora/checkpoint-100", True)
@@ -191,14 +208,7 @@ def test_trainer_doc_command_line_as_written(tmp_path):
     for flag in ("--use_peft", "--lora_r", "--lora_alpha", "--lora_dropout", "--lora_target_modules", "--use_rslora",
                  "--use_dora", "--resume_from_checkpoint", "--push_to_hub", "--hub_model_id"):  # fmt: skip
         assert f"`{flag}" in quick, flag
-
-
-def test_trainer_doc_without_the_rewards_file_fails_naming_it(tmp_path):
-    """The page says to save `my_rewards.py` first: without it the dry run stops with an error naming the entry."""
-    (first,) = [c for b in blocks(section("Quick start", TRAINER_DOC), "bash") for c in commands(b)][1:2]
-    proc = subprocess.run([sys.executable, "-m", "trl_rpp.cli", *first[1:]], cwd=tmp_path, env=env(),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode != 0 and "my_rewards.brevity" in proc.stderr, proc.stderr[-2000:]
+    sys.modules.pop("my_rewards", None)
 
 
 def test_gpu_recipe_commands_as_written(tmp_path):
