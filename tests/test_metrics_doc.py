@@ -1,5 +1,5 @@
-"""`docs/metrics.md` against the keys a short run really logs: every logged key is documented, and every
-REINFORCE++ key the page promises for these configurations is logged."""
+"""The "Logged metrics" section of `docs/rpp_trainer.md` against the keys a short run really logs: every logged key
+is documented, and every REINFORCE++ key the section promises for these configurations is logged."""
 
 import os
 import re
@@ -14,14 +14,23 @@ from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 os.environ.setdefault("WANDB_MODE", "offline")
-DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "rpp_trainer.md"
+SECTION = "\n## Logged metrics\n"
+
+
+def metrics_section():
+    """The page's "Logged metrics" section, up to the next `## ` heading (its subsections included)."""
+    text = DOC.read_text()
+    start = text.index(SECTION)
+    end = text.find("\n## ", start + len(SECTION))
+    return text[start:] if end < 0 else text[start:end]
 
 
 def documented_patterns():
-    """One regex per key named in the first column of a table on the page: `<func>` stands for a reward
+    """One regex per key named in the first column of a table of the section: `<func>` stands for a reward
     function's name, `a/b|c` for `a/b` and `a/c`; `eval_` may prefix any key."""
     patterns = []
-    for line in DOC.read_text().splitlines():
+    for line in metrics_section().splitlines():
         if not line.startswith("| `"):
             continue
         for key in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
@@ -54,7 +63,7 @@ def test_every_logged_key_is_documented(tmp_path, tiny_model):
     rpp = run_keys(tmp_path, tiny_model, "reinforce_plus_plus", steps_per_generation=2, gradient_accumulation_steps=2)
     baseline = run_keys(tmp_path, tiny_model, "reinforce_plus_plus_baseline", score_centering=True)
     undocumented = sorted(k for k in rpp | baseline if not any(p.fullmatch(k) for p in patterns))
-    assert not undocumented, f"logged but not in docs/metrics.md: {undocumented}"
+    assert not undocumented, f"logged but not in docs/rpp_trainer.md#logged-metrics: {undocumented}"
     # What the page says these configurations log, they log (training and evaluation).
     for key in ["advantages/raw_mean", "advantages/raw_std", "advantages/mean", "advantages/std",
                 "advantages/valid_tokens", "advantages/zero_variance", "policy_loss", "ppo_kl", "entropy",

