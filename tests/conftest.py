@@ -83,6 +83,23 @@ def tiny_model(tmp_path_factory):
     return shared_build(tmp_path_factory, "tiny_model", build_tiny_model)
 
 
+def _build_eos_model(path):
+    from trainer_helpers import train_eos_after_a
+    from trl_rpp.testing.tiny import build_tiny_model
+
+    if not (path / "eos_trained").exists():
+        build_tiny_model(path)
+        train_eos_after_a(str(path))
+        (path / "eos_trained").touch()
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def eos_model(tmp_path_factory):
+    """The tiny model trained to end "a:" at once and never end "b:" (`train_eos_after_a`), built once per session."""
+    return shared_build(tmp_path_factory, "eos_model", _build_eos_model)
+
+
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory):
     """Path of the warmed-up tool-calling model of `trl_rpp.testing.tool_model`, built once per session."""
@@ -92,17 +109,14 @@ def tool_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def two_process_runs(tmp_path_factory, tiny_model):
+def two_process_runs(tmp_path_factory, tiny_model, eos_model):
     """The folder of the suite's one `accelerate launch` of two CPU processes (tests/two_process_script.py), which
     runs the two-process trainer cases of several test files in turn: one start of both processes for all."""
     import subprocess
 
-    from trainer_helpers import LAUNCH_ENV, launch_command, train_eos_after_a
-    from trl_rpp.testing.tiny import build_tiny_model
+    from trainer_helpers import LAUNCH_ENV, launch_command
 
     outdir = tmp_path_factory.mktemp("two_process_runs")
-    eos_model = build_tiny_model(outdir / "eos_model")
-    train_eos_after_a(eos_model)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "two_process_script.py")
     proc = subprocess.run(launch_command(script, str(outdir), tiny_model, eos_model), env=dict(os.environ, **LAUNCH_ENV),
                           capture_output=True, text=True, timeout=540)  # a hung collective fails instead of blocking

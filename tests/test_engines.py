@@ -29,8 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer_helpers import LAUNCH_ENV, launch_command, train_eos_after_a
-from trl_rpp.testing.tiny import build_tiny_model
+from trainer_helpers import LAUNCH_ENV, launch_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(os.path.dirname(HERE), "examples", "accelerate_configs")
@@ -129,11 +128,8 @@ def check_resumed(engine, runs):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine_models")
-    eos = build_tiny_model(root / "eos")
-    train_eos_after_a(eos)
-    return build_tiny_model(root / "model"), eos
+def models(tiny_model, eos_model):
+    return tiny_model, eos_model
 
 
 @pytest.fixture(scope="module")

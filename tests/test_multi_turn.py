@@ -19,9 +19,8 @@ from reference import (
     ref_response_mean_k2_loss,
     ref_response_mean_ppo_loss,
 )
-from trainer_helpers import initial_model_logps, make_args, train_eos_after_a
+from trainer_helpers import initial_model_logps, make_args
 from trl_rpp.rollouts import check_external_mask
-from trl_rpp.testing.tiny import build_tiny_model
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 # Largest |trainer - reference| seen, per check; printed at the end of each test (run with -s).
@@ -157,14 +156,6 @@ def test_multi_turn_gradient_is_zero_at_environment_tokens(tmp_path, tiny_model,
         assert torch.equal(g_logp[~m], torch.zeros_like(g_logp[~m]))
         assert torch.equal(g_pos[~m], torch.zeros_like(g_pos[~m]))
         assert (g_logp[m] != 0).any() and (g_pos[m] != 0).any()
-
-
-@pytest.fixture(scope="module")
-def eos_model(tmp_path_factory):
-    """The tiny model trained to end "a:" at once and never end "b:"."""
-    path = build_tiny_model(tmp_path_factory.mktemp("eos") / "model")
-    train_eos_after_a(path)
-    return path
 
 
 @pytest.mark.slow
