@@ -16,10 +16,10 @@ setup(
     # TRL is pinned to the minor version the tests cover: RPPTrainer overrides private GRPOTrainer methods
     # (tests/test_package.py records their signatures).
     install_requires=[
-        "torch>=2.13.0",
+        "torch>=2.11.0",
         "numpy>=2.3.5",  # trl_rpp.sampling; TRL, transformers and datasets require it too
         "trl>=1.16.0,<1.17",
-        "transformers>=5.24.0",
+        "transformers>=5.17.0",
         "peft>=0.21.0",
         "accelerate>=1.15.0",
         "datasets>=5.2.0",
