@@ -282,7 +282,7 @@ def part_score_centering(opts, deadline):
         )
         trainer = RPPTrainer(model=opts.model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                              args=args, train_dataset=copy_task_dataset(shape.batch))
-        trainer.model.train()
+        trainer.model.to(opts.device).train()  # Trainer places the model itself; this states it (a no-op then)
         trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which is not run here
         trainers[on] = trainer
     memory = _Memory(opts.device)
