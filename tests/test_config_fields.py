@@ -198,7 +198,9 @@ def test_every_field_is_classified():
         "whether REINFORCE++ inherits it from GRPO, honors it, or must reject it (then reject it in RPPConfig), and "
         "add it to GRPO_FIELDS."
     )
-    stale = sorted((set(GRPO_FIELDS) | set(TRAINING_ARGUMENTS)) - grpo)
+    # transformers 5.23 added these; the floor (5.17, `make test-min`) lacks them and nothing here reads them.
+    newer = {"activation_checkpointing", "activation_checkpointing_kwargs"}
+    stale = sorted((set(GRPO_FIELDS) | set(TRAINING_ARGUMENTS)) - grpo - newer)
     assert not stale, f"fields classified here that GRPOConfig no longer has: {stale}"
     assert not set(RPP_FIELDS) & grpo, "an RPP field shadows a GRPOConfig field: classify it in GRPO_FIELDS instead"
 

@@ -1,0 +1,527 @@
+"""One check of a GPU machine: numerics, score centering's cost at Qwen3's vocabulary, and step time vs GRPO.
+
+    python benchmarks/gpu_check.py                           # on cuda: at most 8 minutes on one H200
+    python benchmarks/gpu_check.py --device cpu --tiny       # the CPU rehearsal (tests/test_gpu_check.py)
+
+Writes `report.json` and `report.md` under `--out` (default `outputs/gpu_check`) and prints the markdown. Each part
+runs in a child process of its own with its own time budget (`BUDGETS_S`), so a slow or hung part is killed and
+recorded as `timed_out` while the others still run; a crash in one part is recorded as `failed`. The parts:
+
+numerics: the trainer-level reference cases of tests/test_trainer.py on `--device`, for both estimators, in float32
+    and with `bf16=True` (autocast, the float32 tiny Llama of `trl_rpp.testing.tiny`): (1) the advantages of every
+    generation batch against the float64 reference of tests/reference.py, computed from the rewards and log-probs
+    the trainer captured; (2) the gradient the optimizer sees at the first step against the gradient of the spec
+    objective (`spec_step_loss` of tests/test_trainer.py) on a float64 copy of the initial weights.
+    Tolerances. float32: those of the CPU tests (advantages rtol = atol = 1e-5; gradient rtol = 1e-4, atol = 1e-6).
+    bf16: the advantage arithmetic runs on the captured values in float32 in both modes, so the float32 tolerance
+    stands. The gradient is compared by its relative L2 error per parameter tensor, `||g - g64|| / ||g64||`.
+    Derivation: bf16 keeps 8 significant bits, so one rounding is off by at most u = 2^-9 relative. Autocast rounds
+    the two operands of each matmul; the tiny model's loss reaches a weight through at most 2 layers x (q/k/v, o,
+    gate/up, down) + lm_head = 9 matmuls, i.e. <= 18 roundings forward, and the backward pass rounds as many again:
+    to first order the error is <= 36 u = 0.07, so the bound is 2^-3 = 0.125 (the measured error is reported).
+score_centering: a random-init model shaped like Qwen3-0.6B (28 layers, hidden 1024, vocabulary 151,936; `--tiny`:
+    1 layer, hidden 64, vocabulary 4096) in bf16, one loss forward + backward (`RPPTrainer._compute_loss`, the batch
+    of benchmarks/score_centering_memory.py, B x T = 8 x 2048 completion tokens) with score centering on (k = 32)
+    and off, alternating. Reported: the median step time, the step's peak memory above what was allocated before it
+    and the process's peak (cuda: `torch.cuda.max_memory_allocated`; cpu: peak RSS as in
+    score_centering_memory.py). Targets, on vs off: memory <= 1.10x (on the step's peak above its start), time
+    <= 1.05x; reported as pass/fail, they do not change the exit code.
+step_time: `RPPTrainer` (reinforce_plus_plus and reinforce_plus_plus_baseline) against `GRPOTrainer(beta=0.04)`
+    on that same model, bf16, transformers generation of a fixed length (`min_new_tokens` = max_completion_length,
+    so no early EOS), arms alternating in one process as in benchmarks/step_time.py; the first step of each round
+    is warm-up. Reported: median step time per arm, ratio to GRPO, mean completion length.
+environment: versions, the device's name, each part's wall time.
+
+Exit code: 0 when every part ran and every numerics case is within its tolerance, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for p in (ROOT, os.path.join(ROOT, "tests"), HERE):  # library, tests/ helpers and the other benchmarks by import
+    if p not in sys.path:
+        sys.path.insert(0, p)
+warnings.filterwarnings("ignore")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+# Seconds per part (child process); their sum plus the model build stays under 8 minutes on one H200.
+BUDGETS_S = {"numerics": 90, "score_centering": 150, "step_time": 200}
+ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+TOL_F32 = {"advantages": dict(rtol=1e-5, atol=1e-5), "gradient": dict(rtol=1e-4, atol=1e-6)}
+TOL_BF16_GRAD_REL_L2 = 2.0**-3
+MEMORY_TARGET, TIME_TARGET = 1.10, 1.05
+
+# Qwen3-0.6B's shape; `--tiny` shrinks it (CPU bf16 matmuls are slow, a vocabulary-sized head most of all).
+QWEN3_06B = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128)
+QWEN3_TINY = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16)
+SIZES = {  # score centering: batch x completion tokens; step time: batch (= prompts x 8) x completion tokens
+    False: dict(sc_batch=8, sc_length=2048, st_batch=32, st_length=128, st_rounds=3, st_steps=4, sc_rounds=5),
+    True: dict(sc_batch=2, sc_length=32, st_batch=8, st_length=8, st_rounds=2, st_steps=2, sc_rounds=2),
+}
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model of parts score_centering and step_time
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build_qwen3(path, tiny, seed=0):
+    """Random-init Qwen3 (vocabulary 151,936, tied embeddings as in Qwen3-0.6B) saved in bf16 with the char
+    tokenizer (ids past its 46 tokens decode to nothing, which no reward here reads)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from trl_rpp.testing.tiny import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    config = Qwen3Config(
+        max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        **(QWEN3_TINY if tiny else QWEN3_06B),
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Part numerics
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _advantage_check(trainer, estimator, args):
+    """(max |advantages - float64 reference|, within the float32 tolerance) over every generation batch, with the
+    reference built from the captured rewards and log-probs as tests/test_trainer.py builds it."""
+    from reference import ref_global_masked_normalize, ref_group_mean_advantages, ref_reinforce_pp_returns
+
+    worst, ok = 0.0, True
+    for batch, rpf in zip(trainer.generation_batches, trainer.captured_rewards):
+        rewards = (rpf.double().cpu() * torch.tensor(args.reward_weights, dtype=torch.float64)).sum(1).tolist()
+        mask = batch["completion_mask"].cpu().tolist()
+        if estimator == "reinforce_plus_plus":
+            old, ref = batch["old_per_token_logps"].double().cpu(), batch["ref_per_token_logps"].double().cpu()
+            raw = ref_reinforce_pp_returns(rewards, old.tolist(), ref.tolist(), mask, args.kl_coef, args.gamma)
+        else:
+            raw = ref_group_mean_advantages(rewards, mask, args.num_generations)
+        want = torch.tensor(ref_global_masked_normalize([raw], [mask])[0][0], dtype=torch.float64)
+        got = batch["advantages"].double().cpu()
+        worst = max(worst, (got - want).abs().max().item())
+        ok = ok and torch.allclose(got, want, **TOL_F32["advantages"])
+    return worst, ok
+
+
+def numerics_case(tmpdir, model_path, device, estimator, bf16):
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    from test_trainer import spec_step_loss
+    from trainer_helpers import CaptureTrainer, length_reward, make_args
+    from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
+
+    grads = []
+
+    class GradCapture(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            grads.append({n: p.grad.detach().double().cpu() for n, p in model.named_parameters() if p.grad is not None})
+
+    kw = dict(max_steps=1, max_grad_norm=0.0, use_cpu=device == "cpu", bf16=bf16)
+    if estimator == "reinforce_plus_plus":
+        kw.update(kl_coef=0.05, gamma=0.9)
+    from pathlib import Path
+
+    args = make_args(Path(tmpdir) / f"{estimator}-{int(bf16)}", estimator, **kw)
+    trainer = CaptureTrainer(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
+                             train_dataset=copy_task_dataset(32), callbacks=[GradCapture()])
+    trainer.train()
+    assert len(grads) == 1 and trainer.generation_batches, "the trainer ran no optimizer step"
+    adv_err, advantages_ok = _advantage_check(trainer, estimator, args)
+
+    model64 = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    model64.train()
+    cpu_inputs = [{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in mb.items()} for mb in trainer.loss_inputs]
+    kl = args.kl_loss_coef if args.use_kl_loss else 0.0
+    spec_step_loss(model64, cpu_inputs, args.epsilon, kl, args.temperature).backward()
+    want = {n: p.grad for n, p in model64.named_parameters() if p.grad is not None}
+    assert set(want) == set(grads[0]), "the trainer and the spec objective disagree on which weights get a gradient"
+    rel_l2 = max(((grads[0][n] - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item() for n in want)
+    tol = TOL_F32["gradient"]
+    elem_ok = all(torch.allclose(grads[0][n], want[n], **tol) for n in want)
+    gradient_ok = (rel_l2 <= TOL_BF16_GRAD_REL_L2) if bf16 else elem_ok
+    del trainer, model64
+    gc.collect()
+    return {
+        "estimator": estimator, "precision": "bf16" if bf16 else "float32",
+        "advantages_max_abs_error": adv_err, "advantages_ok": advantages_ok,
+        "gradient_max_rel_l2": rel_l2, "gradient_elementwise_within_f32_tol": elem_ok,
+        "gradient_tolerance": f"rel L2 <= {TOL_BF16_GRAD_REL_L2}" if bf16 else "rtol=1e-4, atol=1e-6 elementwise",
+        "gradient_ok": gradient_ok, "ok": advantages_ok and gradient_ok,
+    }
+
+
+def part_numerics(opts, deadline):
+    from trl_rpp.testing.tiny import build_tiny_model
+
+    if opts.device == "cuda":  # float32 means IEEE float32 here, not TF32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    tmp = tempfile.mkdtemp()
+    model_path = build_tiny_model(os.path.join(tmp, "tiny"))
+    cases = []
+    for bf16 in (False, True):
+        for estimator in ESTIMATORS:
+            if time.monotonic() > deadline:
+                cases.append({"estimator": estimator, "precision": "bf16" if bf16 else "float32", "ok": False,
+                              "skipped": "part budget spent"})
+                continue
+            cases.append(numerics_case(tmp, model_path, opts.device, estimator, bf16))
+    return {"cases": cases, "ok": all(c["ok"] for c in cases),
+            "tolerances": {"float32": TOL_F32, "bf16_gradient_rel_l2": TOL_BF16_GRAD_REL_L2}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Part score_centering
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Memory:
+    """Peak memory of one step above what was allocated (cuda) or resident (cpu) right before it, in MiB."""
+
+    def __init__(self, device):
+        self.device = device
+        if device == "cpu":
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # freed large blocks leave the RSS (M_MMAP_THRESHOLD)
+
+    def start(self):
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            self.before = torch.cuda.memory_allocated()
+        else:
+            from score_centering_memory import _reset_peak, _status_kib
+
+            gc.collect()
+            self.before = _status_kib("VmRSS") * 1024
+            _reset_peak()
+
+    def stop(self):
+        if self.device == "cuda":
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            from score_centering_memory import _status_kib
+
+            peak = _status_kib("VmHWM") * 1024
+        return (peak - self.before) / 2**20, peak / 2**20
+
+
+def score_centering_batch(B, P, T, k, V, generator):
+    """The loss inputs of benchmarks/score_centering_memory.py (random ids and advantages, a sampler head of k ids
+    holding half the mass), with each position's k distinct head ids a window of one random permutation of the
+    vocabulary: its per-position `randperm` would take minutes at B x T = 16k and V = 151,936."""
+    perm = torch.randperm(V, generator=generator)
+    start = torch.randint(V, (B, T, 1), generator=generator)
+    head_logps = torch.full((B, T, k), math.log(0.5 / k))
+    return {
+        "prompt_ids": torch.randint(V, (B, P), generator=generator),
+        "prompt_mask": torch.ones(B, P, dtype=torch.long),
+        "completion_ids": torch.randint(V, (B, T), generator=generator),
+        "completion_mask": torch.ones(B, T, dtype=torch.long),
+        "advantages": torch.randn(B, T, generator=generator),
+        "sampler_head_ids": perm[(start + torch.arange(k)) % V],
+        "sampler_head_logps": head_logps,
+        "sampler_per_token_logps": head_logps[..., 0].clone(),
+    }
+
+
+def part_score_centering(opts, deadline):
+    from score_centering_memory import one_step
+
+    from trl_rpp import RPPConfig, RPPTrainer
+    from trl_rpp.testing.tiny import copy_task_dataset
+
+    s = SIZES[opts.tiny]
+    shape = argparse.Namespace(batch=s["sc_batch"], prompt_length=16, completion_length=s["sc_length"], top_k=32,
+                               vocab=(QWEN3_TINY if opts.tiny else QWEN3_06B)["vocab_size"])
+    batch = score_centering_batch(shape.batch, shape.prompt_length, shape.completion_length, shape.top_k, shape.vocab,
+                                  torch.Generator().manual_seed(0))
+    inputs = {k: v.to(opts.device) for k, v in batch.items()}
+    trainers = {}
+    for on in (False, True):
+        args = RPPConfig(
+            output_dir=tempfile.mkdtemp(), advantage_estimator="reinforce_plus_plus", kl_coef=0.0,
+            use_cpu=opts.device == "cpu", bf16=True, report_to="none", per_device_train_batch_size=shape.batch,
+            num_generations=shape.batch, max_completion_length=shape.completion_length, temperature=0.7,
+            score_centering=on, score_centering_top_k=32, disable_dropout=True,
+        )
+        trainer = RPPTrainer(model=opts.model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                             args=args, train_dataset=copy_task_dataset(shape.batch))
+        trainer.model.to(opts.device).train()  # Trainer places the model itself; this states it (a no-op then)
+        trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which is not run here
+        trainers[on] = trainer
+    memory = _Memory(opts.device)
+    times, peaks = {False: [], True: []}, {False: [], True: []}
+    for arm in (False, True):  # warm-up: parameter gradients and kernels are allocated here, not in a measured step
+        one_step(trainers[arm], inputs)
+        trainers[arm].model.zero_grad(set_to_none=False)
+    start = time.monotonic()
+    for r in range(s["sc_rounds"]):
+        for arm in ((False, True) if r % 2 == 0 else (True, False)):
+            sync(opts.device)
+            memory.start()
+            t = time.perf_counter()
+            one_step(trainers[arm], inputs)
+            sync(opts.device)
+            times[arm].append(time.perf_counter() - t)
+            peaks[arm].append(memory.stop())
+            trainers[arm].model.zero_grad(set_to_none=False)
+        # Stop early rather than be killed: leave room for one more round.
+        if time.monotonic() + (time.monotonic() - start) / (r + 1) > deadline:
+            break
+    med = {arm: statistics.median(times[arm]) for arm in times}
+    step_peak = {arm: max(p[0] for p in peaks[arm]) for arm in peaks}
+    proc_peak = {arm: max(p[1] for p in peaks[arm]) for arm in peaks}
+    mem_ratio = step_peak[True] / step_peak[False]
+    time_ratio = med[True] / med[False]
+    return {
+        "batch": shape.batch, "completion_length": shape.completion_length, "tokens": shape.batch * shape.completion_length,
+        "vocab": shape.vocab, "top_k": 32, "rounds": len(times[False]),
+        "step_time_s": {"off": med[False], "on": med[True]},
+        "step_peak_mib": {"off": step_peak[False], "on": step_peak[True]},
+        "process_peak_mib": {"off": proc_peak[False], "on": proc_peak[True]},
+        "memory_ratio": mem_ratio, "process_memory_ratio": proc_peak[True] / proc_peak[False], "time_ratio": time_ratio,
+        "memory_target": MEMORY_TARGET, "time_target": TIME_TARGET,
+        "memory_pass": mem_ratio <= MEMORY_TARGET, "time_pass": time_ratio <= TIME_TARGET,
+        "memory_measure": "torch.cuda.max_memory_allocated" if opts.device == "cuda" else "peak RSS (VmHWM)",
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Part step_time
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def part_step_time(opts, deadline):
+    from step_time import ARMS, StepTimer
+
+    from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
+
+    s = SIZES[opts.tiny]
+    arms = ["grpo_beta0.04", "rpp_reinforce_plus_plus", "rpp_baseline"]
+    trainers = {}
+    for arm in arms:
+        trainer_cls, config_cls, extra = ARMS[arm]
+        args = config_cls(
+            output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=opts.device == "cpu", bf16=True,
+            per_device_train_batch_size=s["st_batch"], num_generations=8, max_completion_length=s["st_length"],
+            generation_kwargs={"min_new_tokens": s["st_length"]},  # fixed length: EOS is suppressed until the end
+            max_steps=s["st_steps"], learning_rate=1e-7, save_strategy="no", logging_steps=1, disable_dropout=True,
+            seed=0, **extra,
+        )
+        timer = StepTimer()
+        trainer = trainer_cls(model=opts.model, reward_funcs=copy_first_char_reward, args=args,
+                              train_dataset=copy_task_dataset(100_000), callbacks=[timer])
+        trainers[arm] = (trainer, timer)
+    start, rounds = time.monotonic(), 0
+    for r in range(s["st_rounds"]):
+        for arm in arms:
+            trainer, timer = trainers[arm]
+            before = len(timer.times)
+            sync(opts.device)
+            trainer.train()
+            del timer.times[before]  # warm-up step of this round
+        rounds += 1
+        if time.monotonic() + (time.monotonic() - start) / rounds > deadline:
+            break
+    out = {"batch": s["st_batch"], "num_generations": 8, "completion_length": s["st_length"], "rounds": rounds,
+           "timed_steps_per_arm": rounds * (s["st_steps"] - 1), "arms": {}}
+    base = statistics.median(trainers["grpo_beta0.04"][1].times)
+    for arm in arms:
+        trainer, timer = trainers[arm]
+        lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+        med = statistics.median(timer.times)
+        out["arms"][arm] = {"median_step_s": med, "ratio_vs_grpo": med / base, "mean_completion_length":
+                            sum(lengths) / len(lengths), "min_completion_length": min(lengths)}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Environment, driver, report
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def environment(device):
+    import importlib.metadata as md
+
+    env = {"python": platform.python_version(), "device": device, "torch_cuda": torch.version.cuda}
+    for pkg in ("torch", "transformers", "trl", "accelerate", "peft", "datasets", "numpy", "pyarrow", "pandas"):
+        try:
+            env[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            env[pkg] = None
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpu_count"] = torch.cuda.device_count()
+        env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    else:
+        env["cpu"] = platform.processor() or platform.machine()
+    return env
+
+
+PARTS = {"numerics": part_numerics, "score_centering": part_score_centering, "step_time": part_step_time}
+
+
+def _text(x):
+    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+
+def run_part(part, opts, model_path, out_dir, budget_s):
+    """Runs one part in a fresh child process, killed after `budget_s` seconds; returns (status, result or None,
+    wall seconds, log tail). The child learns its budget, so that it can stop adding rounds before it is killed."""
+    result_path = os.path.join(out_dir, f"{part}.json")
+    if os.path.exists(result_path):  # never report a previous run's result
+        os.remove(result_path)
+    cmd = [sys.executable, os.path.abspath(__file__), "--device", opts.device, "--part", part, "--model", model_path,
+           "--result", result_path, "--budget_s", str(budget_s)] + (["--tiny"] if opts.tiny else [])
+    t = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s)
+        status = "ok" if proc.returncode == 0 and os.path.exists(result_path) else "failed"
+        log = (proc.stdout + proc.stderr)[-3000:]
+    except subprocess.TimeoutExpired as e:  # subprocess.run has killed the child
+        status, log = "timed_out", (_text(e.stdout) + _text(e.stderr))[-3000:]
+    wall = time.monotonic() - t
+    result = json.load(open(result_path)) if status == "ok" else None
+    return status, result, wall, log
+
+
+def _f(x, nd=3):
+    return "n/a" if x is None else f"{x:.{nd}f}"
+
+
+def markdown(report):
+    env, parts = report["environment"], report["parts"]
+    lines = [f"# GPU check ({'tiny, ' if report['tiny'] else ''}{env['device']})", "",
+             f"{env.get('gpu') or env.get('cpu')}; Python {env['python']}, torch {env['torch']} (CUDA "
+             f"{env['torch_cuda']}), transformers {env['transformers']}, trl {env['trl']}, accelerate "
+             f"{env['accelerate']}, peft {env['peft']}, datasets {env['datasets']}. Total wall time "
+             f"{report['wall_s']:.1f} s.", "", "| part | status | wall (s) | budget (s) |", "|---|---|---|---|"]
+    for name, p in parts.items():
+        budget = f"{p['budget_s']:.0f}" if "budget_s" in p else "-"
+        lines.append(f"| {name} | {p['status']} | {p['wall_s']:.1f} | {budget} |")
+    num = parts["numerics"].get("result")
+    if num:
+        lines += ["", "## Numerics against the float64 reference", "",
+                  "| estimator | precision | advantages max abs error | gradient max rel. L2 | gradient tolerance | ok |",
+                  "|---|---|---|---|---|---|"]
+        for c in num["cases"]:
+            if "skipped" in c:
+                lines.append(f"| {c['estimator']} | {c['precision']} | skipped: {c['skipped']} | | | no |")
+                continue
+            lines.append(f"| {c['estimator']} | {c['precision']} | {c['advantages_max_abs_error']:.1e} | "
+                         f"{c['gradient_max_rel_l2']:.2e} | {c['gradient_tolerance']} | {'yes' if c['ok'] else 'NO'} |")
+    sc = parts["score_centering"].get("result")
+    if sc:
+        lines += ["", f"## Score centering (k = {sc['top_k']}) on vs off: B x T = {sc['batch']} x "
+                  f"{sc['completion_length']}, V = {sc['vocab']}, bf16, {sc['rounds']} rounds", "",
+                  "| | off | on | on / off | target | pass |", "|---|---|---|---|---|---|",
+                  f"| loss step time (s, median) | {_f(sc['step_time_s']['off'], 4)} | {_f(sc['step_time_s']['on'], 4)} "
+                  f"| {sc['time_ratio']:.3f} | <= {sc['time_target']} | {'yes' if sc['time_pass'] else 'no'} |",
+                  f"| step peak above start (MiB) | {_f(sc['step_peak_mib']['off'], 0)} | {_f(sc['step_peak_mib']['on'], 0)} "
+                  f"| {sc['memory_ratio']:.3f} | <= {sc['memory_target']} | {'yes' if sc['memory_pass'] else 'no'} |",
+                  f"| process peak (MiB) | {_f(sc['process_peak_mib']['off'], 0)} | {_f(sc['process_peak_mib']['on'], 0)} "
+                  f"| {sc['process_memory_ratio']:.3f} | | |", "", f"Memory: {sc['memory_measure']}."]
+    st = parts["step_time"].get("result")
+    if st:
+        lines += ["", f"## Step time vs GRPOTrainer(beta=0.04): batch {st['batch']} ({st['num_generations']} per "
+                  f"prompt), {st['completion_length']} completion tokens, bf16, {st['timed_steps_per_arm']} timed steps "
+                  f"per arm", "", "| arm | median step (s) | ratio vs GRPO | mean completion length |", "|---|---|---|---|"]
+        for arm, a in st["arms"].items():
+            lines.append(f"| {arm} | {a['median_step_s']:.4f} | {a['ratio_vs_grpo']:.3f} | {a['mean_completion_length']:.1f} |")
+    for name, p in parts.items():
+        if p["status"] != "ok":
+            lines += ["", f"## {name}: {p['status']}", "", "```", p.get("log", "")[-1500:], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny models and batches (the CPU rehearsal)")
+    ap.add_argument("--out", default=os.path.join("outputs", "gpu_check"))
+    ap.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)  # child mode
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--budget_s", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--budget_scale", type=float, default=1.0,
+                    help="multiplies every part's time budget (for a slow or shared CPU; the budgets fit one H200)")
+    opts = ap.parse_args()
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); "
+                 "use --device cpu --tiny for the CPU rehearsal")
+    if opts.device == "cpu":
+        torch.set_num_threads(1)  # tiny models: more threads only add overhead
+
+    if opts.part:  # child: one part, its result as JSON
+        deadline = time.monotonic() + 0.8 * opts.budget_s
+        result = PARTS[opts.part](opts, deadline)
+        with open(opts.result, "w") as f:
+            json.dump(result, f)
+        return
+
+    t0 = time.monotonic()
+    os.makedirs(opts.out, exist_ok=True)
+    env = environment(opts.device)
+    parts = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.monotonic()
+        model_path = os.path.join(tmp, "qwen3")
+        n_params = build_qwen3(model_path, opts.tiny)
+        parts["build_model"] = {"status": "ok", "wall_s": time.monotonic() - t, "parameters": n_params}
+        for part in PARTS:
+            budget = BUDGETS_S[part] * opts.budget_scale
+            status, result, wall, log = run_part(part, opts, model_path, opts.out, budget)
+            parts[part] = {"status": status, "wall_s": wall, "budget_s": budget, "result": result}
+            if status != "ok":
+                parts[part]["log"] = log
+    report = {"device": opts.device, "tiny": opts.tiny, "budget_scale": opts.budget_scale, "environment": env, "parts": parts,
+              "wall_s": time.monotonic() - t0}
+    ok = all(p["status"] == "ok" for p in parts.values()) and parts["numerics"]["result"]["ok"]
+    report["ok"] = ok
+    with open(os.path.join(opts.out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    md = markdown(report)
+    with open(os.path.join(opts.out, "report.md"), "w") as f:
+        f.write(md)
+    print(md)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
