@@ -300,14 +300,11 @@ def resolved_configuration(script_args, training_args, model_args) -> dict:
     }
 
 
-# What `save_pretrained` writes for a model (one file or an index of shards) or a PEFT adapter.
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
-
-
 def weight_files(output_dir) -> dict:
     """{name: (size, mtime_ns)} of the weight files present in `output_dir`."""
-    stats = {name: (Path(output_dir) / name).stat() for name in _WEIGHT_FILES if (Path(output_dir) / name).is_file()}
+    from trl_rpp.checkpoint import WEIGHT_FILES  # what `save_pretrained` writes: weights, shards' index or adapter
+
+    stats = {name: (Path(output_dir) / name).stat() for name in WEIGHT_FILES if (Path(output_dir) / name).is_file()}
     return {name: (st.st_size, st.st_mtime_ns) for name, st in stats.items()}
 
 

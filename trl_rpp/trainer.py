@@ -185,8 +185,11 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
-        if self._buffered_inputs is not None:
-            # Before Trainer's files, so that a checkpoint with a trainer_state.json always has its buffer.
+        needed = buffer_needed(self.state.global_step, self.args.gradient_accumulation_steps,
+                               self.args.steps_per_generation, self.num_iterations)
+        if self._buffered_inputs is not None and needed:
+            # Before Trainer's files, so that a checkpoint with a trainer_state.json always has its buffer. At a
+            # generation boundary the resumed run samples a new batch, so the buffer is not saved there.
             name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             folder = os.path.join(self._get_output_dir(trial=trial), name)
             save_generation_buffer(folder, self.accelerator.process_index, self._step, self._buffered_inputs)
