@@ -36,8 +36,9 @@ def sampled_and_head_logps(
 
     ``log p_v = z_v / temperature - logsumexp(z / temperature)``: the ids' logits are gathered and one logsumexp over
     the vocabulary is subtracted. The logsumexp and the entropy (TRL's `entropy_from_logits`, without gradient) are
-    computed ``chunk_size`` of the ``B * T`` flattened positions at a time, so that besides the logits the forward produced, no tensor of the
-    vocabulary's size exists in the forward, and the backward writes the logits' gradient into one tensor. That is
+    computed ``chunk_size`` of the ``B * T`` flattened positions at a time, so that besides the logits the forward
+    produced, no tensor of the vocabulary's size exists in the forward, and the backward writes the logits' gradient
+    into one tensor. That is
     ``log_softmax(z / temperature).gather(...)`` with the same value and gradient, without its ``[B, T, V]`` copies.
     With ``overwrite_logits=True`` that one tensor is the logits' own storage: each chunk is read, then overwritten
     by its gradient, so the backward allocates nothing of the vocabulary's size. Use it only when nothing reads the
