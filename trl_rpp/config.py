@@ -197,7 +197,8 @@ class RPPConfig(GRPOConfig):
     vllm_dtype: str = field(
         default="auto",
         metadata={
-            "help": 'Data type of the colocated vLLM engine\'s weights and compute (`use_vllm=True`, `vllm_mode="colocate"`). '
+            "help": "Data type of the colocated vLLM engine's weights and compute "
+            '(`use_vllm=True`, `vllm_mode="colocate"`). '
             '`"auto"` is vLLM\'s choice, the checkpoint\'s dtype, except that vLLM downcasts a float32 checkpoint to '
             'bfloat16: a float32 run then samples from a bfloat16 copy of its policy. `"float32"` samples at the '
             'trainer\'s precision; `"bfloat16"` and `"float16"` set those. In server mode, pass `--dtype` to '
@@ -353,8 +354,8 @@ def _baseline(c) -> bool:
 
 _ONE_SAMPLE = "The inclusive group mean includes each sample itself, so one sample per prompt gives zero advantages."
 _NO_ENTROPY = "An entropy bonus is not part of the REINFORCE++ loss."
-_KL_RANGE = ("A negative coefficient would reward moving away from the reference, and a NaN or infinite one turns every "
-             "weight into NaN at the first step.")
+_KL_RANGE = ("A negative coefficient would reward moving away from the reference, and a NaN or infinite one turns "
+             "every weight into NaN at the first step.")
 _COUNT = "an integer >= 1"
 
 # GRPO settings of code paths that `RPPConfig` rejects (SAPO/VESPO losses, the synced reference, the adaptive entropy

@@ -16,8 +16,8 @@ that blocks the loop itself (a `time.sleep` inside `async def`) cannot be interr
 timed out when it arrives after the limit. A sync function cannot be stopped from inside its own thread, so with a
 limit it runs on one of `REWARD_WORKERS` daemon worker threads; after the limit the trainer stops waiting, and the hung
 call keeps its worker until it returns (its result is then dropped). While every worker holds such a call, the next
-call fails at once, as a timeout that says so: the threads a hung judge can take are bounded. Without a limit, sync functions run
-in the calling thread, exactly as in `GRPOTrainer`.
+call fails at once, as a timeout that says so: the threads a hung judge can take are bounded. Without a limit, sync
+functions run in the calling thread, exactly as in `GRPOTrainer`.
 """
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
        generation batch: the buffered batch is saved with it and a resumed run trains on it (GRPO samples a new
        one). An incomplete checkpoint is refused, naming the file, before `Trainer` loads it; with
        `resume_from_checkpoint=True` it is skipped, with a warning, for the newest complete one (`trl_rpp.checkpoint`).
-       SIGTERM or SIGUSR1 finish the optimizer step, save a checkpoint and raise `TrainingPreempted` (`trl_rpp.preemption`).
+       SIGTERM or SIGUSR1 finish the optimizer step, save a checkpoint and raise `TrainingPreempted`
+       (`trl_rpp.preemption`).
     9. **Parallelism.** Tensor, context and sequence parallelism (`tp_size`, `cp_size` or `sp_size` > 1) raise a
        `ValueError` at construction: the normalization counts every process's tokens once (`trl_rpp.distributed`).
     10. **Non-finite rewards.** NaN or +/-Inf from a reward function or model (or a number beyond float32) raises a
