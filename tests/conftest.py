@@ -8,6 +8,7 @@ the whole session are built once for all workers, and no Python process of the s
 import importlib.util
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -15,6 +16,9 @@ from filelock import FileLock
 
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness")
 os.environ.setdefault("WANDB_MODE", "offline")
+# SmolLM2's converted checkpoint (`trl_rpp.testing.assets`): a cache of the tests' own, shared by xdist workers and
+# the subprocesses they start, never the user's ~/.cache/trl_rpp.
+os.environ.setdefault("TRL_RPP_CACHE", os.path.join(tempfile.gettempdir(), "trl_rpp-test-cache"))
 # tests/harness/sitecustomize.py: the network guard, here and in every Python subprocess the tests start (as
 # `sitecustomize`), and vLLM hidden from the subprocesses that do not ask for it.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HARNESS, os.environ.get("PYTHONPATH")) if p)

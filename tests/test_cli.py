@@ -213,6 +213,51 @@ def test_dotted_reward_path_is_imported_from_the_working_directory(tmp_path, mon
     assert config["reward_funcs"] == ["my_rewards.ends_with_bang"]
 
 
+def test_the_working_directory_is_on_sys_path_only_while_the_reward_imports(tmp_path, monkeypatch):
+    """A stray `json.py` next to the command cannot replace the standard module after the reward is imported."""
+    (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
+    (tmp_path / "json.py").write_text("SHADOW = True\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    monkeypatch.delitem(sys.modules, "json")  # as if not imported yet; restored afterwards
+    assert cli.import_reward_func("my_rewards.ends_with_bang", {})(["a!"]) == [1.0]
+    assert str(tmp_path) not in sys.path
+    import json as imported_later
+
+    assert not hasattr(imported_later, "SHADOW") and imported_later.__file__ != str(tmp_path / "json.py")
+
+
+PREEMPTING_REWARD = """import os
+import signal
+
+
+def copies(prompts, completions, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would, in the middle of step 1
+    return [float(c[:1] == p[:1]) for p, c in zip(prompts, completions)]
+"""
+
+
+@pytest.mark.slow
+def test_preempted_cli_exits_with_status_75_after_saving(tmp_path, monkeypatch, tiny_model):
+    """`train()` raises `TrainingPreempted`, an ordinary exception; the command turns it into exit status 75."""
+    from trl_rpp.testing.tiny import copy_task_dataset
+
+    (tmp_path / "preempting_reward.py").write_text(PREEMPTING_REWARD)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "preempting_reward", raising=False)
+    data = _write(tmp_path / "train.jsonl", copy_task_dataset(16, seed=1))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--model_name_or_path", tiny_model, "--dataset_name", str(data), "--reward_funcs",
+                  "preempting_reward.copies", "--max_steps", "3", "--per_device_train_batch_size", "4",
+                  "--num_generations", "4", "--max_completion_length", "2", "--save_strategy", "no", "--use_cpu",
+                  "--bf16", "false", "--report_to", "none", "--output_dir", str(out)])  # fmt: skip
+    assert exit_.value.code == 75
+    assert type(exit_.value.__cause__).__name__ == "TrainingPreempted"
+    assert os.path.isdir(out / "checkpoint-1") and not (out / "model.safetensors").exists()  # no final save
+
+
 @pytest.mark.parametrize(
     "entry,pattern",
     [

@@ -18,7 +18,7 @@ from grad_guard_script import InfHiddenStates, Snapshots, identical, varied_rewa
 from trainer_helpers import make_args
 from trl_rpp import RPPConfig, RPPTrainer
 from trl_rpp.grad_guard import (
-    GradGuard, NonFiniteGradientError, as_float, consecutive_after, count_skipped, guard_applies, skip_next_step,
+    GradGuard, NonFiniteGradientError, as_float, consecutive_after, count_skipped, guard_applies,
 )  # fmt: skip
 from trl_rpp.testing.tiny import copy_task_dataset
 
@@ -94,8 +94,8 @@ def _adamw_with_state():
     return w, opt
 
 
-def test_a_zero_gradient_adamw_step_moves_the_weights_so_the_step_must_not_run():
-    """Why `skip_next_step` exists: zeroing the gradients is not enough."""
+def test_a_zero_gradient_adamw_step_moves_the_weights_so_the_gradients_must_be_none():
+    """Why the guard drops the gradients (None) rather than zeroing them."""
     w, opt = _adamw_with_state()
     before = w.detach().clone()
     w.grad = torch.zeros(4)
@@ -103,27 +103,38 @@ def test_a_zero_gradient_adamw_step_moves_the_weights_so_the_step_must_not_run()
     assert not torch.equal(w.detach(), before)
 
 
-def test_skip_next_step_skips_once_and_puts_back_an_instance_step():
-    w, opt = _adamw_with_state()
-    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # wraps `opt.step` on the instance
-    wrapped = opt.__dict__["step"]
-    before, state = w.detach().clone(), _state(opt)
-    w.grad = torch.zeros(4)  # not None: the optimizer would use it if the step ran
-    skip_next_step(opt)
-    opt.step()
-    assert torch.equal(w.detach(), before) and identical(_state(opt), state)
-    assert opt.__dict__["step"] is wrapped  # the scheduler's wrapper is back
-    opt.step()  # the next step runs
-    assert not torch.equal(w.detach(), before)
+OPTIMIZERS = {
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1),
+    "AdamW-foreach": lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1, foreach=True),
+    "Adam": lambda p: torch.optim.Adam(p, lr=0.1, weight_decay=0.1),
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=0.1, momentum=0.9, weight_decay=0.1),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, weight_decay=0.1),
+    "Adafactor": lambda p: __import__("transformers").optimization.Adafactor(
+        p, lr=0.1, relative_step=False, scale_parameter=False, weight_decay=0.1),
+}
 
-    plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    skip_next_step(plain)
-    plain.step()
-    assert "step" not in plain.__dict__  # the class's method again
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_step_on_none_gradients_changes_nothing(name):
+    """Why the guard needs no patch of `optimizer.step`: after `zero_grad(set_to_none=True)` the step Trainer runs
+    leaves the weights and the optimizer state (moments, step counts) bit-identical."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    opt = OPTIMIZERS[name](params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # state is non-empty from here on
+    before, state = [p.detach().clone() for p in params], _state(opt)
+    assert state
+    opt.zero_grad(set_to_none=True)
+    opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before)) and identical(_state(opt), state)
 
 
 def _state(opt):
-    return {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()}
+    return {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
+            for k, v in opt.state_dict()["state"].items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
-"""Packaging: the math imports without TRL or transformers, and the GRPOTrainer internals that RPPTrainer overrides
-or reads are still there, with the signatures it was written against (a TRL upgrade that changes them fails here,
-naming the member, instead of deep inside a training run)."""
+"""Packaging: the math imports without TRL or transformers, and every TRL member the package overrides, calls, reads
+or replaces is still there, with the signature it was written against and, where the package unpacks its result, the
+same return order (a TRL upgrade that changes them fails here, naming the member, instead of deep inside a training
+run or, worse, silently: a reordered tuple would misalign `tool_mask`)."""
 
+import ast
 import inspect
+import textwrap
 import subprocess
 import sys
 
@@ -40,7 +43,10 @@ GRPO_METHODS = {
     "_save_checkpoint": "self, model, trial",
     "_load_optimizer_and_scheduler": "self, checkpoint",
     "_get_grad_norm": "self, model, grad_norm=None",  # Trainer's; `GradGuardMixin` (trl_rpp.grad_guard) overrides it
-    # called
+    "_generate": "self, prompts",
+    "train": "self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None",  # Trainer's
+    "create_model_card": "self, model_name=None, dataset_name=None, tags=None",
+    # called, or wrapped (`_tool_call_loop`, trl_rpp.rollouts)
     "_get_per_token_logps_and_entropies": (
         "self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, "
         "compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, pixel_attention_mask=None, "
@@ -48,6 +54,8 @@ GRPO_METHODS = {
         "image_position_ids=None"
     ),
     "_get_output_dir": "self, trial",
+    "_tool_call_loop": "self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields",
+    "_get_tool_suffix_ids": "self, tool_messages",  # trl_rpp.testing.tool_model, on a stand-in `self`
     # buffers the generation batch that `_save_checkpoint` saves and `_load_optimizer_and_scheduler` restores
     "_prepare_inputs": "self, generation_batch",
 }
@@ -58,7 +66,7 @@ GRPO_ATTRIBUTES = [
     "ref_model", "environment_factories", "rollout_func", "tools", "use_vllm", "temperature", "epsilon_low",
     "epsilon_high", "num_iterations", "num_generations", "num_generations_eval", "reward_weights", "reward_func_names",
     "generation_kwargs", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max", "_tag_names", "rollout_func",
 ]
 
 
@@ -104,3 +112,138 @@ def test_grpo_attributes_the_trainer_reads_are_set(tmp_path, tiny_model):
     assert not missing, f"GRPOTrainer no longer sets {missing}, which RPPTrainer reads (see trl_rpp/trainer.py)."
     # The reference that `borrowed_beta` makes GRPO build exists, and beta is back to 0 for the loss.
     assert trainer.ref_model is not None and trainer.beta == 0.0 and trainer.args.beta == 0.0
+
+
+# What the package unpacks from each call, element by element: the source of every `return` of the member, as TRL
+# writes it (trl_rpp/trainer.py, trainer_utils.py, rollouts.py and multi_turn.py index these tuples by position).
+GRPO_RETURNS = {
+    "_generate": ["(prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images)"],
+    "_tool_call_loop": [
+        "(tool_mask, completions, completion_ids, logprobs, tool_call_count, tool_failure_count, tool_images)"
+    ],
+    "_generate_single_turn": ["(completion_ids, logprobs)"],
+    "_get_per_token_logps_and_entropies": ["(logps, entropies, aux_loss)"],
+    "_calculate_rewards": ["rewards_per_func"],
+    "_generate_and_score_completions": ["output"],
+}
+
+
+def _function_node(fn):
+    return ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+
+
+def _own_nodes(node):
+    """The nodes of a function's body, not those of the functions or classes defined inside it."""
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            yield child
+            yield from _own_nodes(child)
+
+
+def _returns(fn):
+    return [ast.unparse(n.value) for n in _own_nodes(_function_node(fn)) if isinstance(n, ast.Return) and n.value]
+
+
+def _calls_of(fn, dotted):
+    """The calls in `fn` whose callee reads as `dotted` (e.g. "self.vllm_generation.generate")."""
+    return [n for n in _own_nodes(_function_node(fn)) if isinstance(n, ast.Call) and ast.unparse(n.func) == dotted]
+
+
+@pytest.mark.parametrize("name", sorted(GRPO_RETURNS))
+def test_grpo_methods_the_package_unpacks_keep_their_return_order(name):
+    import trl
+    from trl import GRPOTrainer
+
+    got = _returns(getattr(GRPOTrainer, name))
+    assert got == GRPO_RETURNS[name], (
+        f"trl {trl.__version__}: GRPOTrainer.{name} now returns {got}; trl_rpp was written against "
+        f"{GRPO_RETURNS[name]} and indexes the result by position. Check its callers in trl_rpp, then update this."
+    )
+
+
+def test_vllm_generation_members_the_package_uses():
+    """`VLLMGeneration.generate`'s tuple (`trainer_utils.generate_vllm_with_topk`), and the members that
+    `trl_rpp.vllm_engine` reads or replaces on the instance."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    assert _params(VLLMGeneration.generate) == "self, prompts, images, num_generations, profiler=None"
+    assert _returns(VLLMGeneration.generate) == ["(prompt_ids, completion_ids, logprobs, logprob_token_ids)"]
+    assert _params(VLLMGeneration.sync_weights) == "self" and _params(VLLMGeneration._iter_named_params) == "self"
+    source = inspect.getsource(VLLMGeneration)
+    for attribute in ("mode", "enable_sleep_mode", "logprobs", "llm"):
+        assert f"self.{attribute} =" in source, f"VLLMGeneration no longer sets {attribute}, which trl_rpp uses"
+    init = inspect.getsource(__import__("trl").GRPOTrainer.__init__)
+    assert "self.vllm_generation = VLLMGeneration(" in init and "self._last_loaded_step" in init
+
+
+def test_the_vllm_branch_that_trainer_utils_copies_is_unchanged():
+    """`generate_vllm_with_topk` is GRPO's vLLM branch of `_generate_single_turn` keeping the top-k lists: a keyword
+    TRL adds to its `generate` call (a new multimodal input, say) must be added there too, not silently dropped."""
+    from trl import GRPOTrainer
+
+    from trl_rpp.trainer_utils import generate_vllm_with_topk
+
+    [theirs] = _calls_of(GRPOTrainer._generate_single_turn, "self.vllm_generation.generate")
+    [ours] = _calls_of(generate_vllm_with_topk, "trainer.vllm_generation.generate")
+    assert sorted(k.arg for k in theirs.keywords) == sorted(k.arg for k in ours.keywords) == [
+        "images", "num_generations", "profiler", "prompts"]  # fmt: skip
+    assert not theirs.args and not ours.args
+    [sync] = _calls_of(GRPOTrainer._generate_single_turn, "self.vllm_generation.sync_weights")
+    assert _calls_of(generate_vllm_with_topk, "trainer.vllm_generation.sync_weights")
+
+
+def test_tool_suffix_reads_only_what_the_tool_model_stand_in_has():
+    """`trl_rpp.testing.tool_model` calls `GRPOTrainer._get_tool_suffix_ids` on a stand-in `self`."""
+    from trl import GRPOTrainer
+
+    read = {n.attr for n in _own_nodes(_function_node(GRPOTrainer._get_tool_suffix_ids))
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"}  # fmt: skip
+    assert read <= {"processing_class", "chat_template", "chat_template_kwargs", "_is_vlm", "_tokenizer"}, read
+
+
+def test_trl_module_attributes_the_package_imports():
+    import trl
+    import trl.chat_template_utils as templates
+    import trl.rewards
+    import trl.trainer.utils as utils
+
+    assert _params(utils.get_callable_name) == "func" and _params(utils.is_async_callable) == "func"
+    assert _params(templates.get_training_chat_template) == "processing_class=None, tokenizer=None"
+    assert _params(templates.is_chat_template_prefix_preserving) == "processing_class"
+    assert isinstance(templates.qwen3_chat_template, str)
+    for name in ("GRPOConfig", "GRPOTrainer", "ScriptArguments", "ModelConfig", "TrlParser", "get_peft_config",
+                 "get_quantization_config"):  # fmt: skip
+        assert hasattr(trl, name), name
+    assert _params(trl.get_peft_config) == "model_args" and _params(trl.get_quantization_config) == "model_args"
+    for name in ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward",
+                 "get_soft_overlong_punishment", "get_repetition_penalty_reward"):  # the CLI's built-in names
+        assert callable(getattr(trl.rewards, name, None)), name
+
+
+def test_vllm_engine_args_reach_the_engine_trl_builds(monkeypatch):
+    """TRL has no setting for vLLM engine arguments, so `vllm_engine_args` swaps the module global `LLM` of
+    `trl.generation.vllm_generation` while `GRPOTrainer.__init__` builds the engine. The swap takes effect only
+    while TRL looks `LLM` up there at call time: checked on TRL's source, then the swap itself, on a recorder."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    from trl_rpp.vllm_engine import vllm_engine_args
+
+    module = ast.parse(inspect.getsource(vllm_generation))
+    calls = [n for n in ast.walk(module) if isinstance(n, ast.Call) and ast.unparse(n.func) == "LLM"]
+    assert calls, "TRL no longer builds vllm.LLM in trl.generation.vllm_generation: vllm_dtype would be ignored"
+    functions = [n for n in ast.walk(module) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    local = [f.name for f in functions for n in ast.walk(f)
+             if isinstance(n, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name) == "LLM" for a in n.names)
+             or isinstance(n, ast.Name) and n.id == "LLM" and isinstance(n.ctx, ast.Store)]  # fmt: skip
+    assert not local, f"TRL binds LLM locally in {local}: the module-level swap of vllm_engine_args would not apply"
+    assert not {k.arg for c in calls for k in c.keywords} & {"dtype", "max_logprobs"}
+
+    received = []
+    recorder = lambda *args, **kwargs: received.append(kwargs)  # noqa: E731
+    monkeypatch.setattr(vllm_generation, "LLM", recorder, raising=False)
+    with vllm_engine_args(33, "float32"):
+        vllm_generation.LLM(model="m", max_logprobs=None)
+    with vllm_engine_args(0, "auto"):
+        vllm_generation.LLM(model="m")
+    assert received == [dict(model="m", max_logprobs=33, dtype="float32"), dict(model="m")]
+    assert vllm_generation.LLM is recorder  # put back

@@ -216,20 +216,57 @@ def test_call_in_thread_returns_re_raises_or_stops_waiting():
     hung = [t for t in threading.enumerate() if t.name == "trl_rpp-reward-hung"]
     assert len(hung) == 1 and hung[0].daemon and hung[0].is_alive()
     release.set()
-    hung[0].join(5.0)
-    assert not hung[0].is_alive()
+    deadline = time.monotonic() + 5.0
+    while hung[0].name == "trl_rpp-reward-hung" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hung[0].name == "trl_rpp-reward-idle" and hung[0].is_alive()  # the worker is free for the next call
+
+
+def test_a_judge_that_never_returns_takes_a_bounded_number_of_threads():
+    """Many steps of a judge that never returns (released at the end): each call holds a worker until it returns, the
+    threads never exceed `REWARD_WORKERS`, and once every worker is held the next call fails at once, saying so."""
+    from trl_rpp import reward_faults
+    from trl_rpp.reward_faults import REWARD_WORKERS, RewardFaults
+
+    release = threading.Event()
+
+    def judge(prompts, completions, **kw):
+        release.wait()
+        return [1.0] * len(completions)
+
+    faults = RewardFaults(timeout=0.05, policy="unscorable")
+    kwargs = dict(prompts=["a"], completions=["b"])
+    free = REWARD_WORKERS - reward_faults._WORKERS.busy  # other tests' hung calls may still hold some
+    try:
+        times = []
+        for _ in range(free + 3 * REWARD_WORKERS):
+            start = time.monotonic()
+            assert faults.call(judge, "judge", judge, (), kwargs, list) == [None]
+            times.append(time.monotonic() - start)
+            assert sum(t.name.startswith("trl_rpp-reward-") for t in threading.enumerate()) <= REWARD_WORKERS
+        assert min(times[:free]) >= 0.05 and max(times[free:]) < 0.05  # waited the limit, then refused at once
+        assert [f.kind for f in faults._failures] == ["timeout"] * len(times)
+        assert str(faults._failures[-1].exception) == (
+            f"not called: all {REWARD_WORKERS} reward worker threads still run calls that passed reward_timeout=0.05 s")
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5.0
+    while reward_faults._WORKERS.busy > REWARD_WORKERS - free and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert faults.call(judge, "judge", judge, (), kwargs, list) == [1.0]  # released workers take calls again
 
 
 def test_without_a_timeout_sync_functions_run_in_the_calling_thread(tmp_path, tiny_model):
-    threads = []
+    threads, names = [], []
 
     def judge(prompts, completions, **kw):
         threads.append(threading.current_thread())
+        names.append(threading.current_thread().name)  # a worker is named after the call it runs, while it runs it
         return [0.0] * len(completions)
 
     build(tmp_path, tiny_model, judge, max_steps=1).train()
     build(tmp_path, tiny_model, judge, max_steps=1, reward_timeout=5.0).train()
-    assert threads[0] is threading.current_thread() and threads[1].name == "trl_rpp-reward-judge"
+    assert threads[0] is threading.current_thread() and names[1] == "trl_rpp-reward-judge"
 
 
 @pytest.mark.parametrize("value", [0, 0.0, -1.0, math.nan, math.inf, True, "1"])

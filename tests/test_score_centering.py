@@ -320,6 +320,30 @@ def test_sampled_and_head_logps_equal_full_log_softmax_values_and_gradients(dtyp
             (logps.sum() + head_logps.sum()).backward()
 
 
+def test_sampled_and_head_logps_chunks_the_flattened_positions(monkeypatch):
+    """The vocabulary-wide work runs ``ceil(B * T / chunk_size)`` times in the forward and in the backward (a chunk
+    may span two responses), not once per response and chunk of its positions."""
+    from trl_rpp import score_centering
+
+    B, S, T, V, k, chunk = 4, 8, 7, 30, 3, 16
+    chunks, lse_calls, real_chunks, real_lse = [], [], score_centering._chunks, torch.logsumexp
+
+    def counted_chunks(*args):
+        for c in real_chunks(*args):
+            chunks.append(c[0])
+            yield c
+
+    monkeypatch.setattr(score_centering, "_chunks", counted_chunks)
+    monkeypatch.setattr(torch, "logsumexp", lambda *a, **kw: lse_calls.append(1) or real_lse(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, S, V, generator=g, requires_grad=True)
+    ids, head = torch.randint(V, (B, T), generator=g), torch.randint(V, (B, T, k), generator=g)
+    logps, head_logps, _ = score_centering.sampled_and_head_logps(logits, ids, head, 0.7, chunk)
+    assert len(lse_calls) == 2 and chunks == [slice(0, 16), slice(16, 28)]  # 28 positions; per response: 4
+    (logps.sum() + head_logps.sum()).backward()
+    assert chunks == [slice(0, 16), slice(16, 28)] * 2
+
+
 def test_metric_sums_against_plain_loops():
     """`score_centering_metric_sums`: the head masses, the coefficients' L1 norm and |log q_y - log p_y| summed over
     valid tokens by plain float64 loops; NaN/Inf at masked positions and unreported sampled log-probs are skipped."""

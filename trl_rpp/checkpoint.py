@@ -12,15 +12,12 @@ resuming reads that file. So:
   write was interrupted), and one that falls inside a generation batch but whose buffer is missing or unreadable,
   each time naming the file and saying what to do.
 
-A checkpoint is *complete* (`checkpoint_problem` returns None) when, in this order: `trainer_state.json` reads;
-the generation buffer reads (and exists, where the step falls inside a generation batch); every file that resuming
-this run reads exists (`required_files`: the weights, `optimizer.pt`, `scheduler.pt`, this process's RNG state, and
-`scaler.pt` with a loss scaler; Trainer silently skips a missing optimizer, scheduler or RNG file, which changes the
-run); and no file of the folder that can be checked without loading it is cut short: every `*.json` parses, every
-`*.safetensors` is as long as its header says, every file `torch.save` wrote (`optimizer.pt`, `rng_state.pth`, ...) has
-its zip directory and an intact pickle. Trainer writes `trainer_state.json` last, so a kill leaves no
-`trainer_state.json`; the other checks catch what a crash of the machine can leave (files not yet on disk, as neither
-Trainer nor the folder is fsynced) or a file damaged later. `newest_complete_checkpoint` is what
+A checkpoint is *complete* (`checkpoint_problem` returns None) when, in this order: `trainer_state.json` reads (Trainer
+writes it last, so a kill during a save leaves none); the generation buffer exists and its zip directory reads, where
+the step falls inside a generation batch (it is saved only there, `buffer_needed`); and every file that Trainer would
+silently skip when missing exists (`required_files`: `optimizer.pt`, `scheduler.pt`, this process's RNG state, and
+`scaler.pt` with a loss scaler), besides the model weights. The formats of transformers' own files are left to
+transformers, which fails loudly on a damaged one when it loads it. `newest_complete_checkpoint` is what
 `resume_from_checkpoint=True` resumes from: the newest checkpoint complete on every process, skipping newer torn ones.
 """
 
@@ -35,17 +32,14 @@ from dataclasses import dataclass
 
 import torch
 from accelerate.utils import gather_object
+from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from transformers.utils.peft_utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
 BUFFER_FILE = "rpp_generation_buffer_rank{}.pt"
-TRAINER_STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME, written last by Trainer
-# The model as Trainer.save_model writes it (one of these is enough): full weights, sharded weights, a PEFT adapter.
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "pytorch_model.bin",
-                "pytorch_model.bin.index.json", "adapter_model.bin")
-# Files that Trainer, accelerate's FSDP saving or RPPTrainer write with `torch.save` (a zip archive).
-TORCH_FILE = re.compile(
-    r"^(optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|training_args\.bin|optimizer(_\d+)?\.bin"
-    r"|pytorch_model(_fsdp)?(_\d+)?(-\d+-of-\d+)?\.bin|adapter_model\.bin|rpp_generation_buffer_rank\d+\.pt)$"
-)
+# The model as `save_pretrained` writes it (one of these is enough): full or sharded weights, or a PEFT adapter.
+WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, ADAPTER_SAFE_WEIGHTS_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME,
+                ADAPTER_WEIGHTS_NAME)
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")  # transformers.trainer_utils._re_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -64,21 +58,36 @@ def buffer_path(folder: str, rank: int) -> str:
     return os.path.join(folder, BUFFER_FILE.format(rank))
 
 
+def _storable(value) -> bool:
+    """What `torch.load(weights_only=True)` restores: tensors, numbers, strings, None, and lists, tuples and dicts of
+    them (e.g. the per-sample `num_images` and `num_tiles` lists of a vision-language batch)."""
+    if value is None or torch.is_tensor(value) or type(value) in (bool, int, float, str):  # not NumPy scalars
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_storable(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _storable(v) for k, v in value.items())
+    return False
+
+
 def save_generation_buffer(folder: str, rank: int, step: int, buffered_inputs) -> str:
     """Write this process's buffered generation batch and micro-step counter to `folder`, atomically.
 
-    Tensors and numbers only, so that loading never needs unrestricted pickle (`weights_only=True`). The bytes go to
-    a temporary file that is flushed to disk and then renamed over the final name: a kill leaves either no buffer
-    file or a complete one, never a partial file under the final name. Returns the final path.
+    Every key is kept, or a `TypeError` names the one that cannot be (loading uses `weights_only=True`, which
+    restores no arbitrary Python object): a resumed run must train on the same inputs. The bytes go to a temporary
+    file that is flushed to disk and then renamed over the final name: a kill leaves either no buffer file or a
+    complete one, never a partial file under the final name. Returns the final path.
     """
+    for batch in buffered_inputs:
+        for key, value in batch.items():
+            if not _storable(value):
+                raise TypeError(
+                    f"The buffered generation batch's key {key!r} holds a {type(value).__name__}, which a checkpoint "
+                    "cannot store (accepted: tensors, numbers, strings, None, and lists, tuples or dicts of them), "
+                    "and resuming without it would change the run's inputs."
+                )
     os.makedirs(folder, exist_ok=True)
-    state = {
-        "step": step,
-        "buffer": [
-            {k: v for k, v in batch.items() if torch.is_tensor(v) or isinstance(v, (int, float))}
-            for batch in buffered_inputs
-        ],
-    }
+    state = {"step": step, "buffer": [dict(batch) for batch in buffered_inputs]}
     path = buffer_path(folder, rank)
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
@@ -100,10 +109,10 @@ def buffer_needed(
 
 def _incomplete(folder: str, problem: str) -> DamagedCheckpointError:
     parent = os.path.dirname(os.path.abspath(folder))
-    path = os.path.join(folder, TRAINER_STATE_FILE)
+    path = os.path.join(folder, TRAINER_STATE_NAME)
     return DamagedCheckpointError(
         f"{path} {problem}: this checkpoint was not completely written (the "
-        f"process stopped while saving it; Trainer writes {TRAINER_STATE_FILE} last). Delete the folder {folder} "
+        f"process stopped while saving it; Trainer writes {TRAINER_STATE_NAME} last). Delete the folder {folder} "
         f"and resume again: resume_from_checkpoint=True then continues from the newest complete checkpoint in "
         f"{parent}, with the same numbers as an uninterrupted run.", path, problem
     )
@@ -112,7 +121,7 @@ def _incomplete(folder: str, problem: str) -> DamagedCheckpointError:
 def read_global_step(folder: str) -> int:
     """The `global_step` recorded in `folder/trainer_state.json`; `DamagedCheckpointError` when it is missing or
     unreadable."""
-    path = os.path.join(folder, TRAINER_STATE_FILE)
+    path = os.path.join(folder, TRAINER_STATE_NAME)
     if not os.path.isfile(path):
         raise _incomplete(folder, "is missing")
     try:
@@ -122,23 +131,27 @@ def read_global_step(folder: str) -> int:
         raise _incomplete(folder, f"cannot be read ({type(err).__name__}: {err})") from err
 
 
-def load_generation_buffer(folder: str, rank: int, required: bool, map_location=None):
-    """`(buffered_inputs, step)` from `folder`, or None when there is no buffer file and none is `required`.
+def _missing_buffer(folder: str, path: str) -> DamagedCheckpointError:
+    return DamagedCheckpointError(
+        f"{path} is missing, but {folder} falls inside a generation batch (steps_per_generation or "
+        "num_iterations > 1), and resuming there without the buffered batch would sample a new one and "
+        "silently change the run. The checkpoint was written without it (by an older version of trl_rpp, or the "
+        "file was removed). Resume from an earlier checkpoint that has its buffer, or at a generation boundary.",
+        path, "is missing, and the checkpoint falls inside a generation batch",
+    )
 
-    Raises `DamagedCheckpointError` naming the file when it is unreadable, or missing although `required` (the
-    checkpoint falls inside a generation batch, see `buffer_needed`).
+
+def load_generation_buffer(folder: str, rank: int, required: bool, map_location=None):
+    """`(buffered_inputs, step)` from `folder` where the checkpoint falls inside a generation batch (`required`, see
+    `buffer_needed`); None elsewhere, without reading anything.
+
+    Raises `DamagedCheckpointError` naming the file when it is missing or unreadable.
     """
+    if not required:
+        return None
     path = buffer_path(folder, rank)
     if not os.path.exists(path):
-        if not required:
-            return None
-        raise DamagedCheckpointError(
-            f"{path} is missing, but {folder} falls inside a generation batch (steps_per_generation or "
-            "num_iterations > 1), and resuming there without the buffered batch would sample a new one and "
-            "silently change the run. The checkpoint was written without it (by an older version of trl_rpp, or the "
-            "file was removed). Resume from an earlier checkpoint that has its buffer, or at a generation boundary.",
-            path, "is missing, and the checkpoint falls inside a generation batch",
-        )
+        raise _missing_buffer(folder, path)
     # torch.load has no restore rule for an indexed CPU device ("cpu:0"), which is accelerator.device in a
     # multi-process CPU run (MULTI_CPU): the file would be reported damaged. Plain "cpu" is the same device.
     if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "cpu":
@@ -163,9 +176,9 @@ def _damaged(folder: str, path: str, reason: str) -> DamagedCheckpointError:
 # with at most an info log, and fails on missing weights).
 _WITHOUT = {
     WEIGHT_FILES: "fail: there are no model weights to load",
-    ("optimizer.pt",): "silently start the optimizer state afresh (Trainer skips a missing file)",
-    ("scheduler.pt",): "silently restart the learning-rate schedule (Trainer skips a missing file)",
-    ("scaler.pt",): "silently restart the loss scale (Trainer skips a missing file)",
+    (OPTIMIZER_NAME,): "silently start the optimizer state afresh (Trainer skips a missing file)",
+    (SCHEDULER_NAME,): "silently restart the learning-rate schedule (Trainer skips a missing file)",
+    (SCALER_NAME,): "silently restart the loss scale (Trainer skips a missing file)",
 }
 
 
@@ -177,12 +190,12 @@ def required_files(rank: int, world_size: int, engine: str = "plain", save_only_
     files = [WEIGHT_FILES] if engine == "plain" else []
     if not save_only_model:  # such a checkpoint holds the model only (and Trainer cannot resume it exactly anyway)
         if engine == "plain":
-            files.append(("optimizer.pt",))
+            files.append((OPTIMIZER_NAME,))
         if engine != "deepspeed":  # DeepSpeed keeps the scheduler with its engine's state
-            files.append(("scheduler.pt",))
+            files.append((SCHEDULER_NAME,))
         files.append(("rng_state.pth",) if world_size <= 1 else (f"rng_state_{rank}.pth",))
         if scaler:
-            files.append(("scaler.pt",))
+            files.append((SCALER_NAME,))
     return tuple(files)
 
 
@@ -207,65 +220,21 @@ def layout_of(trainer) -> ResumeLayout:
                         required_files(rank, args.world_size, engine, args.save_only_model, scaler))
 
 
-def _safetensors_problem(path: str) -> str | None:
-    """Why a `.safetensors` file is cut short or garbled (its header gives the exact length), or None."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return f"{size} bytes, shorter than the 8-byte length of its header"
-        n = int.from_bytes(head, "little")
-        if n > size - 8:
-            return f"its header says {n} bytes of metadata, in a file of {size} bytes"
-        try:
-            header = json.loads(f.read(n))
-            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
-            return f"its header does not parse ({type(err).__name__}: {err})"
-    if size != 8 + n + end:
-        return f"{size} bytes, where its header describes {8 + n + end}"
-    return None
-
-
-def _torch_file_problem(path: str) -> str | None:
-    """Why a file `torch.save` wrote is cut short or garbled, or None: its zip directory (at the end of the file)
-    reads, every record lies within the file, and the pickle records pass their CRC. The tensor data is not read."""
-    size = os.path.getsize(path)
+def _buffer_problem(folder: str, rank: int, needed: bool) -> DamagedCheckpointError | None:
+    """Where the checkpoint falls inside a generation batch: its buffer is missing, or cut short or garbled (its zip
+    directory, at the end of the file, does not read). Nothing is loaded here: `load_generation_buffer` reads the
+    buffer once, when the run resumes."""
+    path = buffer_path(folder, rank)
+    if not needed:
+        return None
+    if not os.path.exists(path):
+        return _missing_buffer(folder, path)
     try:
         with zipfile.ZipFile(path) as z:
-            for info in z.infolist():
-                if info.header_offset + info.compress_size > size:
-                    return f"record {info.filename} ends past the end of the file ({size} bytes)"
-                if info.filename.endswith(".pkl"):
-                    z.read(info)  # checks its CRC-32
+            z.infolist()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
-        return f"{type(err).__name__}: {err}"
+        return _damaged(folder, path, f"{type(err).__name__}: {err}")
     return None
-
-
-def _file_problem(folder: str, name: str) -> DamagedCheckpointError | None:
-    """A damaged file of a checkpoint's top level, where one can be told without loading it."""
-    path = os.path.join(folder, name)
-    if not os.path.isfile(path):
-        return None
-    if name.endswith(".json"):
-        try:
-            with open(path, encoding="utf-8") as f:
-                content = json.load(f)
-        except (ValueError, UnicodeDecodeError) as err:
-            return _damaged(folder, path, f"{type(err).__name__}: {err}")
-        if name.endswith(".index.json") and isinstance(content, dict):  # sharded weights: every shard is there
-            for shard in sorted(set((content.get("weight_map") or {}).values())):
-                if not os.path.isfile(os.path.join(folder, shard)):
-                    return _damaged(folder, path, f"its shard {shard} is missing")
-        return None
-    if name.endswith(".safetensors"):
-        problem = _safetensors_problem(path)
-    elif TORCH_FILE.match(name):
-        problem = _torch_file_problem(path)
-    else:
-        return None  # not a format checked here (tokenizer vocabularies, README.md, DeepSpeed's `latest`, ...)
-    return None if problem is None else _damaged(folder, path, problem)
 
 
 def checkpoint_problem(folder: str, layout: ResumeLayout) -> DamagedCheckpointError | None:
@@ -273,11 +242,13 @@ def checkpoint_problem(folder: str, layout: ResumeLayout) -> DamagedCheckpointEr
     module docstring for what that means and in which order it is checked)."""
     try:
         step = read_global_step(folder)
-        needed = buffer_needed(step, layout.gradient_accumulation_steps, layout.steps_per_generation,
-                               layout.num_iterations)
-        load_generation_buffer(folder, layout.rank, needed, map_location="cpu")
     except DamagedCheckpointError as err:
         return err
+    needed = buffer_needed(step, layout.gradient_accumulation_steps, layout.steps_per_generation,
+                           layout.num_iterations)
+    problem = _buffer_problem(folder, layout.rank, needed)
+    if problem is not None:
+        return problem
     for alternatives in layout.required:
         if not any(os.path.exists(os.path.join(folder, name)) for name in alternatives):
             path = os.path.join(folder, alternatives[0])
@@ -289,10 +260,6 @@ def checkpoint_problem(folder: str, layout: ResumeLayout) -> DamagedCheckpointEr
                 "folder and resume from the previous checkpoint (resume_from_checkpoint=True skips it).",
                 path, f"is missing{others}",
             )
-    for name in sorted(os.listdir(folder)):
-        problem = _file_problem(folder, name)
-        if problem is not None:
-            return problem
     return None
 
 

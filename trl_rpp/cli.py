@@ -144,15 +144,21 @@ def _expected(registry) -> str:
 
 def import_reward_func(path, registry):
     """The function a dotted `--reward_funcs` path names, imported as `trl grpo` imports it (the current directory
-    first on `sys.path`); a `ValueError` naming the flag and the entry when it cannot be loaded."""
+    first on `sys.path`, but only during this import: a stray `json.py` there must not shadow the standard module for
+    the rest of the run); a `ValueError` naming the flag and the entry when it cannot be loaded."""
     module_path, _, name = path.rpartition(".")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as trl grpo does: a rewards.py next to the command imports
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)  # a rewards.py next to the command imports, with what it imports at load time
     try:
         module = importlib.import_module(module_path)
     except ImportError as err:
         raise ValueError(f"Could not load reward function {path!r} given to --reward_funcs: importing module "
                          f"{module_path!r} failed ({type(err).__name__}: {err}). {_expected(registry)}") from err
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
     func = getattr(module, name, None)
     if func is None:
         raise ValueError(f"Could not load reward function {path!r} given to --reward_funcs: module {module_path!r} "
@@ -294,14 +300,11 @@ def resolved_configuration(script_args, training_args, model_args) -> dict:
     }
 
 
-# What `save_pretrained` writes for a model (one file or an index of shards) or a PEFT adapter.
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
-
-
 def weight_files(output_dir) -> dict:
     """{name: (size, mtime_ns)} of the weight files present in `output_dir`."""
-    stats = {name: (Path(output_dir) / name).stat() for name in _WEIGHT_FILES if (Path(output_dir) / name).is_file()}
+    from trl_rpp.checkpoint import WEIGHT_FILES  # what `save_pretrained` writes: weights, shards' index or adapter
+
+    stats = {name: (Path(output_dir) / name).stat() for name in WEIGHT_FILES if (Path(output_dir) / name).is_file()}
     return {name: (st.st_size, st.st_mtime_ns) for name, st in stats.items()}
 
 
@@ -387,7 +390,12 @@ def main(argv=None):
         json.dump(config, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
         return None
-    return train(script_args, training_args, model_args)
+    from trl_rpp.preemption import TrainingPreempted
+
+    try:
+        return train(script_args, training_args, model_args)
+    except TrainingPreempted as stop:  # checkpoint saved: status 75 tells a scheduler to run the command again
+        raise SystemExit(stop.exit_code) from stop
 
 
 if __name__ == "__main__":

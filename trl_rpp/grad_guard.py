@@ -19,10 +19,12 @@ backward, Trainer clips the gradients (`_clip_grad_norm`, i.e. `accelerator.clip
   micro-batch, so every rank takes the norm of the same gradients: a NaN or Inf from one rank's forward is in every
   rank's norm (`tests/test_grad_guard.py` injects it on one rank of two). Under FSDP the norm is reduced over the
   shards (a DTensor norm is made whole with `full_tensor()` first). No extra collective is needed.
-- **The step really does not run.** The gradients are dropped (`zero_grad(set_to_none=True)`) and the torch
-  optimizer's next `step()` is a no-op (`skip_next_step`): weights and optimizer state (AdamW's moments and step
-  counts) stay bit-identical. Running the step on zero gradients would not do: AdamW would still move the weights
-  with its moments and weight decay, and decay the moments.
+- **The step changes nothing.** The gradients are dropped (`zero_grad(set_to_none=True)`), and torch's and
+  transformers' optimizers skip every parameter without a gradient: the optimizer step that Trainer then runs leaves
+  the weights and the optimizer state (AdamW's moments and step counts) bit-identical (`tests/test_grad_guard.py`
+  checks AdamW, Adam, SGD, RMSprop, Adagrad and Adafactor). Zeroed gradients would not do: AdamW would still move
+  the weights with its moments and weight decay, and decay the moments. An optimizer that updates parameters
+  without a gradient would not skip the step.
 - **The skipped step counts as taken.** `global_step` advances and the LR scheduler steps, as after any step, so
   `max_steps`, the schedule, logging, evaluation, checkpoints and the generation schedule (`steps_per_generation`,
   `num_iterations`) stay the same functions of the step number as in a run without skips; the step's generation
@@ -111,23 +113,6 @@ def count_skipped(metrics, skipped: bool) -> None:
     metrics["skipped_steps"] = [previous + float(skipped)]
 
 
-def skip_next_step(optimizer) -> None:
-    """Make the next `optimizer.step()` a no-op, once. `RPPTrainer` passes the torch optimizer inside accelerate's
-    `AcceleratedOptimizer`: Trainer calls the latter's `step` right after `_get_grad_norm`, which still does its own
-    bookkeeping (the LR scheduler's record that the optimizer stepped, XLA's gradient-sync flag) and then calls this
-    one. An instance-level `step` installed before is put back by that call."""
-    own = optimizer.__dict__.get("step")
-
-    def skipped(*args, **kwargs):
-        if own is None:
-            del optimizer.step
-        else:
-            optimizer.step = own
-        return None
-
-    optimizer.step = skipped
-
-
 def as_float(grad_norm) -> float:
     """The norm as a Python float: the one host sync per optimizer step. A DTensor norm (FSDP2) is made whole first,
     so that every shard reads the global value."""
@@ -153,6 +138,5 @@ class GradGuardMixin:
         skip = guard.observe(norm, self.state.global_step + 1)  # the step as the log history numbers it
         count_skipped(self._metrics["train"], skip)
         if skip:
-            model.zero_grad(set_to_none=True)
-            skip_next_step(getattr(self.optimizer, "optimizer", self.optimizer))  # inside AcceleratedOptimizer
+            model.zero_grad(set_to_none=True)  # the optimizer skips parameters without a gradient
         return norm

@@ -1,5 +1,6 @@
 """Graceful preemption: on SIGTERM or SIGUSR1 (what SLURM and Kubernetes send before they stop a job), finish the
-optimizer step in progress, save a complete checkpoint, and exit with status `PREEMPTED_EXIT_CODE` (75).
+optimizer step in progress, save a complete checkpoint, and raise `TrainingPreempted` from `train` (an ordinary
+`Exception`; the `trl-rpp` command exits with status `PREEMPTED_EXIT_CODE`, 75).
 
 `RPPTrainer.train` runs GRPO's training loop inside a `Preemption` context, which installs the handlers of the
 config's `preemption_signals` (restoring the previous ones after) and a `TrainerCallback`:
@@ -14,7 +15,7 @@ config's `preemption_signals` (restoring the previous ones after) and a `Trainer
 - a signal during a checkpoint's save (or the log or evaluation before it) lets the save finish; the processes then
   agree in `on_save` and stop there, with that checkpoint;
 - after the save, every process waits for all others (so that no process exits, and makes a launcher stop the rest,
-  while another is still writing), then `train` raises `TrainingPreempted`, a `SystemExit` with status 75.
+  while another is still writing), then `train` raises `TrainingPreempted`.
 
 Agreement. With several processes each one may receive the signal at a different moment, or only one may receive
 it, and every process must save the same step (the save has collectives). The decision is the maximum over processes
@@ -68,13 +69,17 @@ def parse_preemption_signals(value) -> tuple[str, ...]:
     return tuple(names)
 
 
-class TrainingPreempted(SystemExit):
+class TrainingPreempted(Exception):
     """Raised by `RPPTrainer.train` after a preemption signal, once `checkpoint` (of optimizer step `step`) is saved on
-    every process. Uncaught, it ends the process with status `PREEMPTED_EXIT_CODE`, silently, like any `SystemExit`;
-    resume with `train(resume_from_checkpoint=True)`."""
+    every process; resume with `train(resume_from_checkpoint=True)`. An ordinary exception, so that a notebook, a
+    sweep driver or a Ray task catches it with `except Exception`; a script that wants a scheduler to requeue it exits
+    with `exit_code` (`PREEMPTED_EXIT_CODE`), as the `trl-rpp` command does."""
 
-    def __init__(self, signal_name: str, step: int, checkpoint: str):
-        super().__init__(PREEMPTED_EXIT_CODE)
+    exit_code = PREEMPTED_EXIT_CODE
+
+    def __init__(self, signal_name: str, step: int, checkpoint: str | None):
+        super().__init__(f"training stopped by {signal_name} after optimizer step {step}; "
+                         + (f"{checkpoint} is saved" if checkpoint else "no checkpoint was saved"))
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
 
 
@@ -153,10 +158,10 @@ class Preemption:
         name = signal_name(self.stop_signal)
         if self.saved is None:
             logger.warning("trl_rpp: preemption (%s): no checkpoint was saved at step %d (a callback cancelled the "
-                           "save); exiting with status %d.", name, self.stop_step, PREEMPTED_EXIT_CODE)
+                           "save); raising TrainingPreempted.", name, self.stop_step)
         elif self.trainer.accelerator.is_main_process:
-            logger.warning("trl_rpp: preemption (%s): %s is saved; exiting with status %d. Resume with "
-                           "trainer.train(resume_from_checkpoint=True).", name, self.saved, PREEMPTED_EXIT_CODE)
+            logger.warning("trl_rpp: preemption (%s): %s is saved; raising TrainingPreempted. Resume with "
+                           "trainer.train(resume_from_checkpoint=True).", name, self.saved)
         raise TrainingPreempted(name, self.stop_step, self.saved)
 
     # --- agreement ----------------------------------------------------------------------------------------------
@@ -186,9 +191,8 @@ class Preemption:
         self.stop_step, self.stop_signal = step, signum
         if self.trainer.accelerator.is_main_process:
             folder = self._checkpoint(step)
-            logger.warning("trl_rpp: preemption: %s received; optimizer step %d is complete. %s and stopping (exit "
-                           "status %d).", signal_name(signum), step,
-                           f"{folder} was just saved" if saved else f"Saving {folder}", PREEMPTED_EXIT_CODE)
+            logger.warning("trl_rpp: preemption: %s received; optimizer step %d is complete. %s and stopping.",
+                           signal_name(signum), step, f"{folder} was just saved" if saved else f"Saving {folder}")
 
     def _checkpoint(self, step: int) -> str:
         return os.path.join(self.trainer.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")

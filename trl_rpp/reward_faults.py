@@ -14,15 +14,17 @@ raises the same error, built from the first failure in process order, after one 
 Timeouts. An async function is awaited on TRL's event loop through `asyncio.wait` with the limit, then cancelled; one
 that blocks the loop itself (a `time.sleep` inside `async def`) cannot be interrupted there, and its result counts as
 timed out when it arrives after the limit. A sync function cannot be stopped from inside its own thread, so with a
-limit it runs in a daemon worker thread (one per call); after the limit the trainer stops waiting, and the hung call
-keeps running in the background until it returns (its result is then dropped). Without a limit, sync functions run
-in the calling thread, exactly as in `GRPOTrainer`.
+limit it runs on one of `REWARD_WORKERS` daemon worker threads; after the limit the trainer stops waiting, and the hung
+call keeps its worker until it returns (its result is then dropped). While every worker holds such a call, the next
+call fails at once, as a timeout that says so: the threads a hung judge can take are bounded. Without a limit, sync
+functions run in the calling thread, exactly as in `GRPOTrainer`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import threading
 import time
 import warnings
@@ -93,15 +95,61 @@ class _TimedOut(Exception):
     pass
 
 
+# The process's reward worker threads: at most this many, shared by every trainer and reward function. A call past
+# `reward_timeout` holds its worker until it returns, so the number of hung calls, and of threads, stays bounded.
+REWARD_WORKERS = 8
+
+
+class _Workers:
+    """A fixed-size pool of daemon threads (`concurrent.futures` joins its workers at exit, so one hung call would
+    keep the process alive). `submit` refuses, rather than queues, when every worker is busy: a queued call would
+    wait behind a call that may never return."""
+
+    def __init__(self, size: int):
+        self.size, self.busy = size, 0
+        self._threads, self._tasks, self._lock = [], queue.SimpleQueue(), threading.Lock()
+
+    def submit(self, task) -> bool:
+        with self._lock:
+            if self.busy == self.size:
+                return False
+            self.busy += 1
+            if len(self._threads) < self.busy:  # one thread per submitted, unfinished task at most
+                thread = threading.Thread(target=self._work, name="trl_rpp-reward-idle", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        self._tasks.put(task)
+        return True
+
+    def _work(self):
+        while True:
+            task = self._tasks.get()
+            try:
+                task()
+            finally:
+                with self._lock:
+                    self.busy -= 1
+
+
+_WORKERS = _Workers(REWARD_WORKERS)
+
+
+class _AllWorkersBusy(Exception):
+    pass
+
+
 def call_in_thread(func, args, kwargs, timeout: float, name: str):
-    """`func(*args, **kwargs)` in a daemon thread; its value, or its exception re-raised here, or `_TimedOut` after
-    `timeout` seconds, leaving the thread running. The caller's grad mode and CUDA device (both per thread in torch)
-    are carried over, so the function sees what it would see in the caller's thread."""
+    """`func(*args, **kwargs)` on a reward worker thread (named `trl_rpp-reward-<name>` while it runs the call); its
+    value, or its exception re-raised here, or `_TimedOut` after `timeout` seconds, leaving the call running on its
+    worker. `_AllWorkersBusy` at once when every worker still runs a call. The caller's grad mode and CUDA device
+    (both per thread in torch) are carried over, so the function sees what it would see in the caller's thread."""
     grad = torch.is_grad_enabled()
     device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     box, done = {}, threading.Event()
 
     def run():
+        thread = threading.current_thread()
+        thread.name = f"trl_rpp-reward-{name}"
         try:
             if device is not None:
                 torch.cuda.set_device(device)
@@ -110,9 +158,11 @@ def call_in_thread(func, args, kwargs, timeout: float, name: str):
         except BaseException as e:  # handed to the caller, which decides
             box["error"] = e
         finally:
+            thread.name = "trl_rpp-reward-idle"
             done.set()
 
-    threading.Thread(target=run, name=f"trl_rpp-reward-{name}", daemon=True).start()
+    if not _WORKERS.submit(run):
+        raise _AllWorkersBusy
     if not done.wait(timeout):
         raise _TimedOut
     if "error" in box:
@@ -163,6 +213,10 @@ class RewardFaults:
                 out = call_in_thread(func, args, kwargs, self.timeout, name)
         except _TimedOut:
             return self._failed(key, TIMEOUT, self._timeout_error(), _rows(kwargs))
+        except _AllWorkersBusy:
+            error = TimeoutError(f"not called: all {_WORKERS.size} reward worker threads still run calls that passed "
+                                 f"reward_timeout={self.timeout} s")
+            return self._failed(key, TIMEOUT, error, _rows(kwargs))
         except Exception as e:
             return self._failed(key, ERROR, e, _rows(kwargs))
         return self._check(key, name, check, out, kwargs)

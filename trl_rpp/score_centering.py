@@ -36,8 +36,9 @@ def sampled_and_head_logps(
 
     ``log p_v = z_v / temperature - logsumexp(z / temperature)``: the ids' logits are gathered and one logsumexp over
     the vocabulary is subtracted. The logsumexp and the entropy (TRL's `entropy_from_logits`, without gradient) are
-    computed ``chunk_size`` positions at a time, so that besides the logits the forward produced, no tensor of the
-    vocabulary's size exists in the forward, and the backward writes the logits' gradient into one tensor. That is
+    computed ``chunk_size`` of the ``B * T`` flattened positions at a time, so that besides the logits the forward
+    produced, no tensor of the vocabulary's size exists in the forward, and the backward writes the logits' gradient
+    into one tensor. That is
     ``log_softmax(z / temperature).gather(...)`` with the same value and gradient, without its ``[B, T, V]`` copies.
     With ``overwrite_logits=True`` that one tensor is the logits' own storage: each chunk is read, then overwritten
     by its gradient, so the backward allocates nothing of the vocabulary's size. Use it only when nothing reads the
@@ -61,10 +62,12 @@ def sampled_and_head_logps(
     return picked[..., 0], picked[..., 1:], entropies
 
 
-def _row_chunks(B, T, chunk_size):
-    for b in range(B):
-        for t0 in range(0, T, chunk_size):
-            yield b, slice(t0, min(t0 + chunk_size, T))
+def _chunks(B, T, chunk_size, device):
+    """The ``B * T`` completion positions, ``chunk_size`` at a time over the flattened positions (a chunk may span two
+    responses): ``(flat slice, response index, position index)`` per chunk, the indices ``[n]`` on `device`."""
+    for n0 in range(0, B * T, chunk_size):
+        flat = torch.arange(n0, min(n0 + chunk_size, B * T), device=device)
+        yield slice(n0, n0 + flat.numel()), flat // T, flat % T
 
 
 class _GatheredLogSoftmax(torch.autograd.Function):
@@ -79,12 +82,13 @@ class _GatheredLogSoftmax(torch.autograd.Function):
         T = ids.size(1)
         acc = _accum_dtype(logits.dtype)
         z = logits[:, S - T - 1 : S - 1]
-        lse = torch.empty(B, T, dtype=acc, device=logits.device)
-        entropies = torch.empty(B, T, dtype=acc, device=logits.device)
-        for b, ts in _row_chunks(B, T, chunk_size):
-            scaled = z[b, ts].to(acc) / temperature
-            lse[b, ts] = torch.logsumexp(scaled, dim=-1)
-            entropies[b, ts] = entropy_from_logits(scaled, chunk_size)
+        lse = torch.empty(B * T, dtype=acc, device=logits.device)
+        entropies = torch.empty(B * T, dtype=acc, device=logits.device)
+        for n, b, t in _chunks(B, T, chunk_size, logits.device):
+            scaled = z[b, t].to(acc).div_(temperature)  # `z[b, t]` is a [n, V] copy: dividing it in place is safe
+            lse[n] = torch.logsumexp(scaled, dim=-1)
+            entropies[n] = entropy_from_logits(scaled, chunk_size)
+        lse, entropies = lse.view(B, T), entropies.view(B, T)
         picked = z.gather(-1, ids).to(acc) / temperature - lse.unsqueeze(-1)
         ctx.save_for_backward(logits, ids, lse)
         ctx.temperature, ctx.chunk_size, ctx.overwrite = temperature, chunk_size, overwrite
@@ -104,14 +108,15 @@ class _GatheredLogSoftmax(torch.autograd.Function):
         else:
             grad_logits = torch.zeros_like(logits)
         z, grad_z = logits[:, S - T - 1 : S - 1], grad_logits[:, S - T - 1 : S - 1]
-        grad_picked = grad_picked.to(lse.dtype)
-        total = grad_picked.sum(-1, keepdim=True)
+        grad_picked = grad_picked.to(lse.dtype).reshape(B * T, -1)
+        total, flat_ids, flat_lse = grad_picked.sum(-1, keepdim=True), ids.reshape(B * T, -1), lse.view(B * T, 1)
         # d log p_v / d z_u = (1[u = v] - p_u) / t: minus p times the summed upstream gradient, plus one-hot terms.
         # Each chunk of z is read (into p) before its gradient is written, so z and grad_z may share storage.
-        for b, ts in _row_chunks(B, T, ctx.chunk_size):
-            p = torch.exp(z[b, ts].to(lse.dtype) / t - lse[b, ts].unsqueeze(-1))
-            g = (-p * total[b, ts]).scatter_add_(-1, ids[b, ts], grad_picked[b, ts])
-            grad_z[b, ts] = g / t
+        for n, b, pos in _chunks(B, T, ctx.chunk_size, logits.device):
+            # In place on the chunk's own copy of z: one [n, V] temporary (two for bf16/fp16 logits).
+            g = z[b, pos].to(lse.dtype).div_(t).sub_(flat_lse[n]).exp_().mul_(-total[n])
+            g.scatter_add_(-1, flat_ids[n], grad_picked[n])
+            grad_z.index_put_((b, pos), g.div_(t).to(grad_z.dtype))
         return grad_logits, None, None, None, None
 
 

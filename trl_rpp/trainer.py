@@ -105,7 +105,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
        generation batch: the buffered batch is saved with it and a resumed run trains on it (GRPO samples a new
        one). An incomplete checkpoint is refused, naming the file, before `Trainer` loads it; with
        `resume_from_checkpoint=True` it is skipped, with a warning, for the newest complete one (`trl_rpp.checkpoint`).
-       SIGTERM or SIGUSR1 finish the optimizer step, save a checkpoint and exit with status 75 (`trl_rpp.preemption`).
+       SIGTERM or SIGUSR1 finish the optimizer step, save a checkpoint and raise `TrainingPreempted`
+       (`trl_rpp.preemption`).
     9. **Parallelism.** Tensor, context and sequence parallelism (`tp_size`, `cp_size` or `sp_size` > 1) raise a
        `ValueError` at construction: the normalization counts every process's tokens once (`trl_rpp.distributed`).
     10. **Non-finite rewards.** NaN or +/-Inf from a reward function or model (or a number beyond float32) raises a
@@ -181,12 +182,15 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # Before Trainer loads anything: True skips torn checkpoints (with a warning), a named torn one is refused.
         resume_from_checkpoint = resolve_resume_checkpoint(self, resume_from_checkpoint)
-        with self._rpp_preemption:  # SIGTERM/SIGUSR1: finish the step, save, exit 75 (`trl_rpp.preemption`)
+        with self._rpp_preemption:  # SIGTERM/SIGUSR1: finish the step, save, raise TrainingPreempted
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
-        if self._buffered_inputs is not None:
-            # Before Trainer's files, so that a checkpoint with a trainer_state.json always has its buffer.
+        needed = buffer_needed(self.state.global_step, self.args.gradient_accumulation_steps,
+                               self.args.steps_per_generation, self.num_iterations)
+        if self._buffered_inputs is not None and needed:
+            # Before Trainer's files, so that a checkpoint with a trainer_state.json always has its buffer. At a
+            # generation boundary the resumed run samples a new batch, so the buffer is not saved there.
             name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             folder = os.path.join(self._get_output_dir(trial=trial), name)
             save_generation_buffer(folder, self.accelerator.process_index, self._step, self._buffered_inputs)

@@ -42,7 +42,10 @@ argument, else the ``TRL_RPP_CACHE`` environment variable, else
 directory and moved into place with a single ``os.replace``, so an interrupted
 conversion never leaves a half-written cache (at worst a stale hidden
 ``.SmolLM2-135M-Instruct.tmp-*`` directory, which is ignored and removed by a
-later successful conversion once it is more than an hour old).
+later successful conversion once it is more than an hour old).  A
+``SmolLM2-135M-Instruct`` folder without the conversion's files was not made
+here: it is never moved or deleted, and ``smollm2_path`` raises
+``FileExistsError`` naming it.
 
 Tokenizer notes
 ---------------
@@ -167,6 +170,18 @@ def _is_complete(folder: pathlib.Path) -> bool:
     return folder.is_dir() and all((folder / name).is_file() for name in _REQUIRED_FILES)
 
 
+def _refuse_foreign(target: pathlib.Path) -> None:
+    """An incomplete ``target`` was not made here (conversions are renamed into place only when finished): it may
+    hold someone's files, so it is never moved or deleted."""
+    if target.exists() or target.is_symlink():
+        missing = [name for name in _REQUIRED_FILES if not (target / name).is_file()]
+        raise FileExistsError(
+            f"{target} exists but is not a finished SmolLM2 conversion (it lacks {', '.join(missing)}), so trl_rpp did "
+            "not create it and will not delete it. Move or remove it yourself, or use another cache root (cache_dir, "
+            "or the TRL_RPP_CACHE environment variable)."
+        )
+
+
 def _convert(gguf_file: pathlib.Path, out_dir: pathlib.Path) -> None:
     """Dequantize ``gguf_file`` into a float32 safetensors checkpoint + tokenizer in ``out_dir``."""
     import torch
@@ -252,6 +267,7 @@ def smollm2_path(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Pat
     target = root / SMOLLM2_SUBDIR
     if _is_complete(target):
         return target
+    _refuse_foreign(target)
 
     gguf_file = find_smollm2_gguf()
     _require_gguf_package()
@@ -259,17 +275,13 @@ def smollm2_path(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Pat
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_SUBDIR}.tmp-", dir=root))
     try:
         _convert(gguf_file, tmp)
-        if target.exists() and not _is_complete(target):
-            # A foreign/incomplete folder is in the way (never one of ours: we only rename
-            # finished conversions into place). Move it aside, then delete it.
-            stale = pathlib.Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_SUBDIR}.stale-", dir=root))
-            os.replace(target, stale / "old")
-            shutil.rmtree(stale, ignore_errors=True)
         try:
             os.replace(tmp, target)
         except OSError:
-            # Another process finished first (target is now a non-empty directory).
+            # Another process finished first (target is now a non-empty directory), or a foreign
+            # folder appeared meanwhile: left alone, as above.
             if not _is_complete(target):
+                _refuse_foreign(target)
                 raise
     finally:
         if tmp.exists():
