@@ -4,6 +4,7 @@ only when it asks for it."""
 
 import ast
 import errno
+import importlib.util
 import os
 import socket
 import subprocess
@@ -116,7 +117,10 @@ def test_guard_is_on_here_and_in_every_subprocess():
 
 # --- vLLM only where asked ----------------------------------------------------------------------------------------
 
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make test-min)")
 
+
+@needs_vllm
 def test_subprocesses_see_vllm_only_when_they_ask():
     probe = "import importlib.util; from trl.import_utils import is_vllm_available; print(is_vllm_available())"
     env = {k: v for k, v in os.environ.items() if k != "TRL_RPP_TESTS_VLLM"}
@@ -125,6 +129,7 @@ def test_subprocesses_see_vllm_only_when_they_ask():
     assert (hidden.stdout.strip(), seen.stdout.strip()) == ("False", "True"), (hidden.stderr, seen.stderr)
 
 
+@needs_vllm
 def test_the_pytest_process_keeps_vllm():
     from trl.import_utils import is_vllm_available
 
