@@ -43,19 +43,28 @@ def pytest_configure(config):
 SHARED_RUNS = {"two_process_runs"}
 
 
+def xdist_group_of(item):
+    """The xdist group of a test: the SHARED_RUNS fixture it uses, or its module and the module-scoped fixtures it
+    uses (tests of one module sharing the same ones stay together, so each such fixture is made once per worker
+    that needs it), or None: scheduled on its own."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    shared = sorted(set(info.names_closure) & SHARED_RUNS)
+    if shared:
+        return shared[0]
+    scoped = sorted(name for name, defs in info.name2fixturedefs.items() if defs[-1].scope == "module")
+    return f"{item.module.__name__}:{'+'.join(scoped)}" if scoped else None
+
+
 def pytest_collection_modifyitems(config, items):
-    """Keep the tests of a module that share a module-scoped fixture on one xdist worker (`--dist loadgroup`), so
-    that the fixture (a vLLM engine, a reference run) is made once, and likewise the tests of a SHARED_RUNS fixture;
-    every other test is scheduled on its own. The slow tests go first, so that a long one does not start last on
-    one worker while the other idles."""
+    """Tests that share a fixture run once per worker stay on one xdist worker (`--dist loadgroup`), so that the
+    fixture (a vLLM engine, a reference run, the two-process launch) is made once; every other test is scheduled on
+    its own. The slow tests go first, so that a long one does not start last on one worker while the other idles."""
     for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        names = set(info.names_closure) if info is not None else set()
-        defs = info.name2fixturedefs.values() if info is not None else ()
-        if names & SHARED_RUNS:
-            item.add_marker(pytest.mark.xdist_group(sorted(names & SHARED_RUNS)[0]))
-        elif any(d.scope == "module" for fixturedefs in defs for d in fixturedefs):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+        group = xdist_group_of(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 

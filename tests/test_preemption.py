@@ -16,7 +16,7 @@ from trainer_helpers import launch_command, make_args
 from trl_rpp import RPPConfig, RPPTrainer
 from trl_rpp.checkpoint import ResumeLayout, checkpoint_problem, required_files
 from trl_rpp.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, parse_preemption_signals
-from trl_rpp.testing.tiny import build_tiny_model, copy_first_char_reward, copy_task_dataset
+from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -98,9 +98,9 @@ def resume(model, out_dir, processes=1):
         return json.load(f)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("preempt") / "model")
+@pytest.fixture(scope="session")
+def model(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
