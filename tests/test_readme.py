@@ -123,9 +123,11 @@ def test_make_targets_as_written():
     (block,) = blocks(section("Demo and tests"), "bash")
     assert [" ".join(c) for c in commands(block)] == ["make demo", "make test"]
     assert make_n("demo", "-B").strip().endswith(".venv/bin/python examples/demo.py")
-    assert make_n("test", "-B").strip().endswith(".venv/bin/python -m pytest tests")
+    # The whole suite (slow tests included) on both cores, printing the 25 slowest tests (tests/conftest.py).
+    parallel = "-m pytest -n 2 --dist loadgroup --durations=25"
+    assert make_n("test", "-B").strip().endswith(f".venv/bin/python {parallel} tests")
     assert make_n("demo-tiny", "-B").strip().endswith("examples/demo.py --tiny")
-    assert make_n("test-fast", "-B").strip().endswith('-m pytest -m "not slow" tests')
+    assert make_n("test-fast", "-B").strip().endswith(f'{parallel} -m "not slow" tests')
     assert f"TORCH_INDEX_URL={CPU_INDEX}" in section("Demo and tests")
     assert f"--index-url {CPU_INDEX}" in make_n("demo", "-B", f"TORCH_INDEX_URL={CPU_INDEX}")
 
