@@ -304,7 +304,8 @@ class RPPConfig(GRPOConfig):
     scale_rewards: str = field(
         default="none",
         metadata={
-            "help": "Must be 'none': REINFORCE++ normalizes globally and the baseline never divides by a group std."
+            "help": "Only 'none' is accepted: REINFORCE++ normalizes globally and the baseline never divides by a "
+            "group std."
         },
     )
 
@@ -312,6 +313,11 @@ class RPPConfig(GRPOConfig):
         # Everything is checked before GRPOConfig.__post_init__ sets up devices, so a wrong config costs nothing.
         self._resolve_and_validate()
         self._validate_skipped_steps()
+        # TRL documents `gradient_checkpointing` (default True); transformers 5 renamed it `activation_checkpointing`
+        # and warns (FutureWarning) whenever it resolves the old name itself, so every default run warned. Resolving
+        # it here, as transformers would (the new name wins when set), keeps the value and drops the warning.
+        if self.activation_checkpointing is None and self.gradient_checkpointing is not None:
+            self.activation_checkpointing = self.gradient_checkpointing
         super().__post_init__()
         # After GRPOConfig has parsed `generation_kwargs` from the command line.
         self._validate_sampling()
@@ -596,3 +602,18 @@ _DEAD_GRPO_SETTINGS = {
     "use_bias_correction_kl": "GRPO's beta KL term (beta must be 0.0; the KL terms here are kl_coef and kl_loss_coef)",
 }
 _GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+
+
+def rejected_grpo_fields() -> dict[str, tuple[object, str]]:
+    """GRPO fields that `RPPConfig` accepts at one value only (any other raises a `ValueError` naming the field):
+    field -> (that value, what the field only tunes, or ""). `trl-rpp --help` says so for each
+    (`trl_rpp.cli.make_parser`); `tests/test_cli.py` checks this table against the validators above and against the
+    classification of `tests/test_config_fields.py`."""
+    fixed = dict(
+        beta=0.0, loss_type="grpo", scale_rewards="none", multi_objective_aggregation="sum_then_normalize",
+        importance_sampling_level="token", top_entropy_quantile=1.0, off_policy_mask_threshold=None, delta=None,
+        entropy_coef=0.0, use_adaptive_entropy=False, sync_ref_model=False,
+    )
+    notes = {"beta": "the KL terms here are kl_coef and use_kl_loss/kl_loss_coef"}
+    dead = {name: (_GRPO_DEFAULTS[name], f"it only tunes {path}") for name, path in _DEAD_GRPO_SETTINGS.items()}
+    return {**{name: (value, notes.get(name, "")) for name, value in fixed.items()}, **dead}
