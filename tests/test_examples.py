@@ -60,6 +60,8 @@ def test_script_trains_saves_and_writes_model_card(tiny_setup, tmp_path, estimat
     assert (out / "model.safetensors").is_file()
     card = (out / "README.md").read_text()
     assert "REINFORCE++" in card and "2501.03262" in card
+    first_prompt = json.loads(data.read_text().splitlines()[0])["prompt"]
+    assert f"generator({first_prompt!r}," in card  # the quick start asks a prompt of the training data
     # The estimator actually ran: its own metrics were logged.
     assert "advantages/raw_mean" in proc.stdout + proc.stderr
     if estimator == "reinforce_plus_plus_baseline":
