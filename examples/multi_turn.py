@@ -29,10 +29,8 @@ import tempfile
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func and environment_factory are experimental in TRL
 
-import torch  # noqa: E402
-
-from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
-from trl_rpp.testing.tool_model import build_tool_model, correct_product_reward, multiply, tool_dataset  # noqa: E402
+# torch, transformers and TRL are imported where they are used, after the arguments are parsed, so that `--help`
+# answers at once (tests/test_examples.py checks that it imports none of them).
 
 
 def sample_turn(model, tokenizer, prompts, k, temperature, max_new_tokens):
@@ -42,6 +40,8 @@ def sample_turn(model, tokenizer, prompts, k, temperature, max_new_tokens):
     are the k most probable tokens of ``softmax(logits / temperature)`` (the distribution ``generate`` samples from)
     by rank, followed by the sampled token when it is not among them.
     """
+    import torch
+
     pad = tokenizer.pad_token_id
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -72,6 +72,8 @@ def make_rollout_func(k, temperature, max_turn_tokens=40):
     Turn 1 is sampled; if it is a well-formed tool call, the environment appends its result (``env_mask = 0``) and
     turn 2 is sampled; the completion is cut to ``max_completion_length``.
     """
+
+    from trl_rpp.testing.tool_model import multiply
 
     def rollout_func(prompts, trainer):
         tokenizer = trainer.processing_class
@@ -115,10 +117,13 @@ def make_rollout_func(k, temperature, max_turn_tokens=40):
 
 
 def train(loop, model, output_dir, a):
+    from trl_rpp import RPPConfig, RPPTrainer
+    from trl_rpp.testing.tool_model import correct_product_reward, multiply, tool_dataset
+
     config = RPPConfig(
         output_dir=output_dir, advantage_estimator="reinforce_plus_plus_baseline", score_centering=True,
         score_centering_top_k=a.top_k, temperature=a.temperature, max_steps=a.max_steps, learning_rate=a.learning_rate,
-        per_device_train_batch_size=8, num_generations=4, max_completion_length=a.max_completion_length,
+        per_device_train_batch_size=a.per_device_train_batch_size, num_generations=4, max_completion_length=a.max_completion_length,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=a.seed,
     )
     kwargs = {"tools": [multiply]} if loop == "tools" else {"rollout_func": make_rollout_func(a.top_k, a.temperature)}
@@ -146,8 +151,11 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--learning_rate", type=float, default=1e-3)
     p.add_argument("--max_completion_length", type=int, default=64)
+    p.add_argument("--per_device_train_batch_size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    from trl_rpp.testing.tool_model import build_tool_model
+
     model = a.model_name_or_path or build_tool_model(a.model_dir)
     loops = ["tools", "rollout"] if a.loop == "both" else [a.loop]
     return {loop: train(loop, model, os.path.join(a.output_dir, loop), a) for loop in loops}
