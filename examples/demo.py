@@ -1,7 +1,7 @@
 """The main job: fine-tune SmolLM2-135M-Instruct offline with REINFORCE++-baseline on arithmetic.
 
     make demo                        # = python examples/demo.py
-    python examples/demo.py --tiny   # same pipeline on a tiny random-init model, under a minute
+    python examples/demo.py --tiny   # same pipeline on a tiny random-init model and a copy task (150 steps)
 
 Task: "What is a + b? Answer with just the number." with a in 0..99 and b in 0..20, the assistant turn pre-filled
 with "a + b =" (without the pre-fill the model echoes the operands). Reward: 1 if the first integer of the
@@ -220,7 +220,7 @@ def demo_trainer_args(a, output_dir, config, **overrides):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help="tiny random-init model and the copy task (under a minute)")
+    p.add_argument("--tiny", action="store_true", help="tiny random-init model and a copy task: the pipeline's smoke run")
     p.add_argument("--output_dir", default=None, help="default: outputs/demo or outputs/demo-tiny")
     p.add_argument("--max_steps", type=int, default=None, help="default: 16 (SmolLM2) or 150 (--tiny)")
     p.add_argument("--threads", type=int, default=None,
