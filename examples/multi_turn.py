@@ -130,6 +130,7 @@ def train(loop, model, output_dir, a):
         per_device_train_batch_size=a.per_device_train_batch_size, num_generations=4,
         max_completion_length=a.max_completion_length,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=a.seed,
+        gradient_checkpointing=False,  # a tiny model: recomputing activations would only cost time
     )
     kwargs = {"tools": [multiply]} if loop == "tools" else {"rollout_func": make_rollout_func(a.top_k, a.temperature)}
     trainer = RPPTrainer(
