@@ -220,7 +220,8 @@ def demo_trainer_args(a, output_dir, config, **overrides):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help="tiny random-init model and a copy task: the pipeline's smoke run")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny random-init model and a copy task: the pipeline's smoke run")
     p.add_argument("--output_dir", default=None, help="default: outputs/demo or outputs/demo-tiny")
     p.add_argument("--max_steps", type=int, default=None, help="default: 16 (SmolLM2) or 150 (--tiny)")
     p.add_argument("--threads", type=int, default=None,
