@@ -88,7 +88,8 @@ def rejected_flag_help(own_fields) -> tuple[dict[str, str], dict[str, str]]:
         if name not in own_fields:
             helps[name] = (f"Not supported by REINFORCE++: only {_flag(value)} is accepted (its default); any other "
                            f"value raises a ValueError{f': {note}' if note else ''}.")
-    accepted = {name: " or ".join(_flag(v) for v in neutral if v is not None) for name, neutral in NEUTRAL_SAMPLING.items()}
+    accepted = {name: " or ".join(_flag(v) for v in neutral if v is not None)
+                for name, neutral in NEUTRAL_SAMPLING.items()}
     return helps, {name: values or "None" for name, values in accepted.items()}
 
 
