@@ -1,7 +1,7 @@
 """The main job: fine-tune SmolLM2-135M-Instruct offline with REINFORCE++-baseline on arithmetic.
 
     make demo                        # = python examples/demo.py
-    python examples/demo.py --tiny   # same pipeline on a tiny random-init model, under a minute
+    python examples/demo.py --tiny   # same pipeline on a tiny random-init model and a copy task (150 steps)
 
 Task: "What is a + b? Answer with just the number." with a in 0..99 and b in 0..20, the assistant turn pre-filled
 with "a + b =" (without the pre-fill the model echoes the operands). Reward: 1 if the first integer of the
@@ -43,9 +43,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
-
-from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
+# torch, transformers, TRL and wandb are imported where they are used, after the arguments are parsed, so that
+# `--help` answers at once (tests/test_examples.py checks that it imports none of them).
 
 QUESTION = "What is {a} + {b}? Answer with just the number."
 
@@ -124,15 +123,18 @@ def copy_reward(completions, answer, **kwargs):
     return [1.0 if c[:1] == a else 0.0 for c, a in zip(completions, answer)]
 
 
-@torch.no_grad()
 def greedy_accuracy(model, tokenizer, rows, reward_fn, max_new_tokens, batch_size=64):
+    import torch
+
     model.eval()
     tokenizer.padding_side = "left"
     hits = 0.0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         enc = tokenizer([r["prompt"] for r in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         hits += sum(reward_fn(texts, [r["answer"] for r in chunk]))
     model.train()
@@ -218,7 +220,8 @@ def demo_trainer_args(a, output_dir, config, **overrides):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help="tiny random-init model and the copy task (under a minute)")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny random-init model and a copy task: the pipeline's smoke run")
     p.add_argument("--output_dir", default=None, help="default: outputs/demo or outputs/demo-tiny")
     p.add_argument("--max_steps", type=int, default=None, help="default: 16 (SmolLM2) or 150 (--tiny)")
     p.add_argument("--threads", type=int, default=None,
@@ -226,6 +229,10 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--learning_rate", type=float, default=None, help="default: 5e-4 (SmolLM2, LoRA) or 3e-3 (--tiny)")
     a = p.parse_args(argv)
+    import torch
+
+    from trl_rpp import RPPConfig, RPPTrainer
+
     if a.threads is None:
         a.threads, why = _auto_threads()
         print(f"[demo] torch threads: {a.threads} ({why}; --threads overrides)", flush=True)

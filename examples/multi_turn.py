@@ -12,11 +12,15 @@ top-k log-probs at every *sampled* token; this script shows the two ways to get 
    each token: `logprobs` and `logprob_token_ids` of k entries per token (k + 1 when the sampled token is not
    among them), exactly what vLLM reports with `logprobs=k`. Here it samples with transformers' `generate`.
 
-The model is a tiny random-init Llama warmed up for a few seconds to call `multiply` (`trl_rpp.testing.tool_model`),
-built on the first run into `--model_dir` unless `--model_name_or_path` is given. Everything runs on CPU, offline:
+The model is a tiny random-init Llama warmed up for about half a minute (`trl_rpp.testing.tool_model`, built on the
+first run into `--model_dir` unless `--model_name_or_path` is given) on two answers to "What is a times b?": call
+`multiply` and answer with its result, or answer at once with a + b, which is wrong. So it calls the tool for about
+half of its samples and the reward (1 for the right product) starts near 0.5. Reinforcement learns to call the tool:
+in both loops the reward and the share of tool calls rise within a few steps (`tests/test_multi_turn_example.py`
+checks it). Everything runs on CPU, offline:
 
-    python examples/multi_turn.py                       # both loops, 2 steps each
-    python examples/multi_turn.py --loop rollout --max_steps 5
+    python examples/multi_turn.py                       # both loops, 6 steps each
+    python examples/multi_turn.py --loop rollout --max_steps 10
 """
 
 from __future__ import annotations
@@ -29,10 +33,8 @@ import tempfile
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func and environment_factory are experimental in TRL
 
-import torch  # noqa: E402
-
-from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
-from trl_rpp.testing.tool_model import build_tool_model, correct_product_reward, multiply, tool_dataset  # noqa: E402
+# torch, transformers and TRL are imported where they are used, after the arguments are parsed, so that `--help`
+# answers at once (tests/test_examples.py checks that it imports none of them).
 
 
 def sample_turn(model, tokenizer, prompts, k, temperature, max_new_tokens):
@@ -42,6 +44,8 @@ def sample_turn(model, tokenizer, prompts, k, temperature, max_new_tokens):
     are the k most probable tokens of ``softmax(logits / temperature)`` (the distribution ``generate`` samples from)
     by rank, followed by the sampled token when it is not among them.
     """
+    import torch
+
     pad = tokenizer.pad_token_id
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -72,6 +76,8 @@ def make_rollout_func(k, temperature, max_turn_tokens=40):
     Turn 1 is sampled; if it is a well-formed tool call, the environment appends its result (``env_mask = 0``) and
     turn 2 is sampled; the completion is cut to ``max_completion_length``.
     """
+
+    from trl_rpp.testing.tool_model import multiply
 
     def rollout_func(prompts, trainer):
         tokenizer = trainer.processing_class
@@ -115,11 +121,16 @@ def make_rollout_func(k, temperature, max_turn_tokens=40):
 
 
 def train(loop, model, output_dir, a):
+    from trl_rpp import RPPConfig, RPPTrainer
+    from trl_rpp.testing.tool_model import correct_product_reward, multiply, tool_dataset
+
     config = RPPConfig(
         output_dir=output_dir, advantage_estimator="reinforce_plus_plus_baseline", score_centering=True,
         score_centering_top_k=a.top_k, temperature=a.temperature, max_steps=a.max_steps, learning_rate=a.learning_rate,
-        per_device_train_batch_size=8, num_generations=4, max_completion_length=a.max_completion_length,
+        per_device_train_batch_size=a.per_device_train_batch_size, num_generations=4,
+        max_completion_length=a.max_completion_length,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=a.seed,
+        gradient_checkpointing=False,  # a tiny model: recomputing activations would only cost time
     )
     kwargs = {"tools": [multiply]} if loop == "tools" else {"rollout_func": make_rollout_func(a.top_k, a.temperature)}
     trainer = RPPTrainer(
@@ -127,28 +138,43 @@ def train(loop, model, output_dir, a):
         **kwargs,
     )
     trainer.train()
+    keys = ["reward", "frac_reward_zero_std", "tools/call_frequency", "score_centering/sampler_head_mass",
+            "score_centering/coeff_l1"]
+    rewards = []
     for log in trainer.state.log_history:
         if "reward" in log:
-            keys = ["reward", "tools/call_frequency", "score_centering/sampler_head_mass", "score_centering/coeff_l1"]
+            rewards.append(log["reward"])
             print(f"[{loop}] step {log['step']}: " + ", ".join(f"{k}={log[k]:.4g}" for k in keys if k in log))
+    if rewards:
+        print(f"[{loop}] reward: {rewards[0]:.3f} at the first step, {rewards[-1]:.3f} at the last")
     return trainer
+
+
+def build_half_tool_model(path):
+    """The example's model: the tiny tool model warmed up with `direct_answers`, so that it calls `multiply` for
+    about half of its samples (the loss cannot fall below the coin flip at the first answer token, hence the higher
+    target loss)."""
+    from trl_rpp.testing.tool_model import build_tool_model
+
+    return build_tool_model(path, direct_answers=True, target_loss=0.05)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--loop", choices=["tools", "rollout", "both"], default="both")
     p.add_argument("--model_name_or_path", default=None, help="a tool-calling model; default: the tiny one, built")
-    p.add_argument("--model_dir", default=os.path.join(tempfile.gettempdir(), "trl_rpp_tiny_tool_model"),
+    p.add_argument("--model_dir", default=os.path.join(tempfile.gettempdir(), "trl_rpp_tiny_tool_model_half"),
                    help="where the tiny tool model is built (reused when already there)")
     p.add_argument("--output_dir", default=os.path.join(tempfile.gettempdir(), "trl_rpp_multi_turn"))
-    p.add_argument("--max_steps", type=int, default=2)
+    p.add_argument("--max_steps", type=int, default=6)
     p.add_argument("--top_k", type=int, default=8, help="score_centering_top_k")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--learning_rate", type=float, default=1e-3)
+    p.add_argument("--learning_rate", type=float, default=3e-4)
     p.add_argument("--max_completion_length", type=int, default=64)
+    p.add_argument("--per_device_train_batch_size", type=int, default=32, help="completions per step (4 per prompt)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    model = a.model_name_or_path or build_tool_model(a.model_dir)
+    model = a.model_name_or_path or build_half_tool_model(a.model_dir)
     loops = ["tools", "rollout"] if a.loop == "both" else [a.loop]
     return {loop: train(loop, model, os.path.join(a.output_dir, loop), a) for loop in loops}
 

@@ -63,6 +63,57 @@ def test_help_lists_the_rpp_fields_and_the_script_arguments():
         assert flag in text, flag
 
 
+def _help_lines(monkeypatch):
+    """`trl-rpp --help` (the same parser) rendered one option per line: flag -> its help text."""
+    monkeypatch.setenv("COLUMNS", "100000")  # argparse wraps at the terminal width; unwrapped, one line per flag
+    helps, flag = {}, None
+    for line in cli.make_parser().format_help().splitlines():
+        match = re.match(r"^  (--[\w-]+)(?: \S+)?(?:, --[\w-]+(?: \S+)?)*(?:  +(\S.*))?$", line)
+        if match:  # a flag, its help on the same line or (long flags) on the next
+            flag = match.group(1)
+            helps[flag] = match.group(2) or ""
+        elif flag and line.startswith("      "):
+            helps[flag] += " " + line.strip()
+        else:
+            flag = None
+    return helps
+
+
+def test_help_of_each_rejected_grpo_flag_says_what_is_accepted(monkeypatch):
+    """Each GRPO flag that RPPConfig accepts at one value only says so in `--help`, with that value; GRPO's own help
+    (`--beta`: "use a value of 0.001") is not shown for it."""
+    from trl_rpp.config import rejected_grpo_fields
+
+    helps = _help_lines(monkeypatch)
+    fields = rejected_grpo_fields()
+    assert {"beta", "delta", "sync_ref_model", "loss_type", "scale_rewards"} <= set(fields)
+    for name, (value, _) in fields.items():
+        shown = value if isinstance(value, str) else repr(value)
+        text = helps[f"--{name}"]
+        assert re.search(rf"[Oo]nly '?{re.escape(shown)}'? .*is accepted", text), (name, text)
+    assert "0.001" not in helps["--beta"] and "kl_coef" in helps["--beta"]
+    assert "only 1.0 is accepted" in helps["--top_p"] and "--score_centering" in helps["--top_p"]
+    assert "only 0 is accepted" in helps["--top_k"] and "--score_centering" in helps["--top_k"]
+
+
+def test_rejected_grpo_fields_match_the_validators():
+    """The table the help is built from (`rejected_grpo_fields`) is the set that `tests/test_config_fields.py`
+    classifies as rejected (where every other value is shown to raise), and each accepted value is the default."""
+    from test_config_fields import GRPO_FIELDS
+
+    from trl_rpp import RPPConfig
+    from trl_rpp.config import rejected_grpo_fields
+
+    fields = rejected_grpo_fields()
+    assert set(fields) == {name for name, (kind, _, _) in GRPO_FIELDS.items() if kind == "rejected"}
+    config = RPPConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none")
+    for name, (value, _) in fields.items():
+        assert getattr(config, name) == value, name
+        bad = GRPO_FIELDS[name][1][0]
+        with pytest.raises(ValueError, match=rf"^{name}="):
+            RPPConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", **{name: bad})
+
+
 def test_lora_flags_without_use_peft_are_rejected():
     """TRL builds no adapter without --use_peft, so its LoRA flags would be ignored: an error instead."""
     for flag, value in (("--lora_r", "8"), ("--lora_target_modules", "q_proj"), ("--use_dora", "true")):

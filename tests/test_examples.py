@@ -5,6 +5,7 @@ tiny local model (CPU, offline). The CLI's own tests are in `tests/test_cli.py`;
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,8 @@ def test_script_trains_saves_and_writes_model_card(tiny_setup, tmp_path, estimat
     assert (out / "model.safetensors").is_file()
     card = (out / "README.md").read_text()
     assert "REINFORCE++" in card and "2501.03262" in card
+    first_prompt = json.loads(data.read_text().splitlines()[0])["prompt"]
+    assert f"generator({first_prompt!r}," in card  # the quick start asks a prompt of the training data
     # The estimator actually ran: its own metrics were logged.
     assert "advantages/raw_mean" in proc.stdout + proc.stderr
     if estimator == "reinforce_plus_plus_baseline":
@@ -78,3 +81,30 @@ def test_dataset_without_prompt_column_fails_in_subprocess(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "ValueError" in proc.stderr and "no 'prompt' column" in proc.stderr and "question" in proc.stderr
+
+
+# torch, transformers, TRL or wandb take 10-40 s to import on a busy CPU: an example's `--help` must not need them.
+HEAVY_MODULES = {"torch", "transformers", "trl", "wandb"}
+
+
+@pytest.mark.parametrize("script", ["demo.py", "multi_turn.py"])
+def test_example_help_imports_no_heavy_library(script):
+    """`--help` parses the arguments before anything heavy is imported (`python -X importtime` lists every module
+    the process imported; a timing assert would be flaky on a loaded CI machine)."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "examples" / script), "--help"], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "argparse" in imported  # the listing works
+    assert not imported & HEAVY_MODULES, sorted(imported & HEAVY_MODULES)
+
+
+def test_rpp_example_help_shows_the_cli_flags():
+    """`examples/rpp.py --help` is the `trl-rpp` CLI's help: it needs TRL's parser (every `RPPConfig`/`GRPOConfig`
+    field is a flag), so it imports TRL; it says which GRPO flags are rejected."""
+    env = dict(_env(), COLUMNS="100000")  # one line per flag
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr[-3000:]
+    assert "--advantage_estimator" in proc.stdout and "--reward_funcs" in proc.stdout
+    assert re.search(r"^  --beta BETA +Not supported by REINFORCE\+\+: only 0\.0 is accepted", proc.stdout, re.M)

@@ -128,3 +128,36 @@ def test_current_reinforce_pp_title_and_authors():
     assert f"[{CURRENT_TITLE}](https://huggingface.co/papers/2501.03262)" in card
     assert "author       = {Jian Hu and Jason Klein Liu and Haotian Xu and Wei Shen}" in card
     assert "others" not in card and "A Simple and Efficient Approach" not in card.split("## Citations")[1]
+
+
+def _quick_start_prompt(card):
+    """The first argument of `generator(...)` in the card's quick start, evaluated as the Python it is."""
+    import ast
+
+    code = card.split("## Quick start")[1].split("```python")[1].split("```")[0]
+    call = next(node for node in ast.walk(ast.parse(code))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "generator")
+    return ast.literal_eval(call.args[0])
+
+
+def test_quick_start_prompt_comes_from_the_training_data():
+    """The quick start asks the first training prompt, whatever its form: a text (the copy task) or a chat (the
+    tool task); no constant prompt is left in the card."""
+    from trl_rpp.model_card import example_prompt
+    from trl_rpp.testing.tiny import copy_task_dataset
+    from trl_rpp.testing.tool_model import tool_dataset
+    from datasets import Dataset
+
+    texts, chats = copy_task_dataset(8, seed=3), tool_dataset(8, seed=5)
+    assert isinstance(texts[0]["prompt"], str) and isinstance(chats[0]["prompt"], list)
+    cards = []
+    for data in (texts, chats):
+        card = render_model_card(args=_config(), base_model="m/x", prompt=example_prompt(data))
+        assert _quick_start_prompt(card) == data[0]["prompt"]
+        assert "17 + 25" not in card
+        cards.append(card)
+    assert cards[0] != cards[1]
+    # Nothing to read (no dataset, no `prompt` column): a placeholder that says so, never a made-up question.
+    assert example_prompt(None) is None and example_prompt(Dataset.from_list([{"text": "x"}])) is None
+    card = render_model_card(args=_config(), base_model="m/x", prompt=None)
+    assert _quick_start_prompt(card) == "Your prompt here"

@@ -1,6 +1,7 @@
-"""`examples/multi_turn.py` run end to end as a real subprocess (CPU, offline): the tool loop and the environment
-(`rollout_func`) loop each train with score centering on the tiny tool model; its default of building that model is
-what the session fixture `tool_model` (tests/conftest.py) builds, so the test passes that copy instead."""
+"""`examples/multi_turn.py` run end to end as a real subprocess (CPU, offline), as a user runs it: it builds its tiny
+tool model (warmed up to call `multiply` for about half of its samples), then the tool loop and the environment
+(`rollout_func`) loop each train with score centering, and each learns: the reward starts below its ceiling, with
+groups whose rewards differ, and rises as the model learns to call the tool."""
 
 import os
 import re
@@ -10,21 +11,38 @@ from pathlib import Path
 
 import pytest
 
-
 REPO = Path(__file__).resolve().parents[1]
+STEP = re.compile(r"^\[(tools|rollout)\] step (\d+): (.*)$", re.M)
+
+
+def _steps(stdout, loop):
+    """The logged metrics of `loop`, one dict per step, in order."""
+    rows = []
+    for name, _step, metrics in STEP.findall(stdout):
+        if name == loop:
+            rows.append({k: float(v) for k, v in (item.split("=") for item in metrics.split(", "))})
+    return rows
 
 
 @pytest.mark.slow
-def test_multi_turn_example_runs_both_loops(tool_model, tmp_path):
+def test_multi_turn_example_learns_in_both_loops(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline")
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    cmd = [sys.executable, str(REPO / "examples" / "multi_turn.py"), "--model_name_or_path", tool_model,
-           "--output_dir", str(tmp_path / "out"), "--max_steps", "1"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, str(REPO / "examples" / "multi_turn.py"), "--model_dir", str(tmp_path / "model"),
+           "--output_dir", str(tmp_path / "out")]  # the defaults: both loops, 6 steps each
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    tools = re.search(r"\[tools\] step 1: reward=\S+, tools/call_frequency=([0-9.e+-]+), score_centering/", proc.stdout)
-    assert tools and float(tools.group(1)) > 0, proc.stdout[-3000:]
-    assert re.search(r"\[rollout\] step 1: reward=\S+, score_centering/sampler_head_mass=", proc.stdout), proc.stdout
+    for loop in ("tools", "rollout"):
+        steps = _steps(proc.stdout, loop)
+        assert len(steps) == 6, proc.stdout[-3000:]
+        rewards = [s["reward"] for s in steps]
+        # Below the ceiling at the start, with signal: some groups have differing rewards (non-zero advantages).
+        assert rewards[0] < 0.8 and steps[0]["frac_reward_zero_std"] < 1, (loop, steps[0])
+        # And it learns: the last two steps beat the first two by a margin (about 0.25-0.3 when measured).
+        assert sum(rewards[-2:]) / 2 >= sum(rewards[:2]) / 2 + 0.15, (loop, rewards)
+        assert "score_centering/sampler_head_mass" in steps[0], steps[0]
+    calls = [s["tools/call_frequency"] for s in _steps(proc.stdout, "tools")]
+    assert calls[-1] > calls[0], calls  # TRL's tool loop ran the tool, more often as it learned
 
 
 def test_multi_turn_example_help_runs_as_in_the_readme():

@@ -70,13 +70,44 @@ class RPPScriptArguments(ScriptArguments):
     )
 
 
+def _flag(value) -> str:
+    """A value as it is typed on the command line (`None`, `True` and numbers as Python writes them)."""
+    return value if isinstance(value, str) else repr(value)
+
+
+def rejected_flag_help(own_fields) -> tuple[dict[str, str], dict[str, str]]:
+    """`--help` text of the GRPO flags that `RPPConfig` rejects or restricts, as two dicts: field -> help replacing
+    GRPO's (from `rejected_grpo_fields`: GRPO's help describes a feature REINFORCE++ does not have), and field -> the
+    values accepted with score centering (from `trl_rpp.sampling.NEUTRAL_SAMPLING`). Fields that `RPPConfig`
+    declares itself (`own_fields`) keep their help, which already says what is accepted."""
+    from trl_rpp.config import rejected_grpo_fields
+    from trl_rpp.sampling import NEUTRAL_SAMPLING
+
+    helps = {}
+    for name, (value, note) in rejected_grpo_fields().items():
+        if name not in own_fields:
+            helps[name] = (f"Not supported by REINFORCE++: only {_flag(value)} is accepted (its default); any other "
+                           f"value raises a ValueError{f': {note}' if note else ''}.")
+    accepted = {name: " or ".join(_flag(v) for v in neutral if v is not None)
+                for name, neutral in NEUTRAL_SAMPLING.items()}
+    return helps, {name: values or "None" for name, values in accepted.items()}
+
+
 def make_parser():
-    """TRL's parser over (script arguments, `RPPConfig`, `ModelConfig`), without flags that always fail."""
+    """TRL's parser over (script arguments, `RPPConfig`, `ModelConfig`), without flags that always fail, and with
+    the help of rejected GRPO flags saying what is accepted."""
     from trl import ModelConfig, TrlParser
 
     from trl_rpp import RPPConfig
 
     parser = TrlParser((RPPScriptArguments, RPPConfig, ModelConfig))
+    replaced, score_centering_only = rejected_flag_help(set(RPPConfig.__annotations__))
+    for action in parser._actions:
+        if action.dest in replaced:
+            action.help = replaced[action.dest]
+        elif action.dest in score_centering_only and action.help:
+            action.help += (f" With --score_centering, only {score_centering_only[action.dest]} is accepted: score "
+                            "centering needs the full-vocabulary softmax at --temperature.")
     for action in list(parser._actions):
         if set(action.option_strings) & set(_REJECTED_NEGATIONS):
             parser._remove_action(action)

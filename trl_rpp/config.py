@@ -242,7 +242,8 @@ class RPPConfig(GRPOConfig):
     scale_rewards: str = field(
         default="none",
         metadata={
-            "help": "Must be 'none': REINFORCE++ normalizes globally and the baseline never divides by a group std."
+            "help": "Only 'none' is accepted: REINFORCE++ normalizes globally and the baseline never divides by a "
+            "group std."
         },
     )
 
@@ -260,6 +261,11 @@ class RPPConfig(GRPOConfig):
                     raise _unsupported(f.name, value, tuple(f.metadata["choices"]))
         _check(self, _RULES)
         parse_preemption_signals(self.preemption_signals)  # its rule lives with the signal names
+        # TRL documents `gradient_checkpointing` (default True); transformers 5 renamed it `activation_checkpointing`
+        # and warns (FutureWarning) whenever it resolves the old name itself, so every default run warned. Resolving
+        # it here, as transformers would (the new name wins when set), keeps the value and drops the warning.
+        if self.activation_checkpointing is None and self.gradient_checkpointing is not None:
+            self.activation_checkpointing = self.gradient_checkpointing
         super().__post_init__()
         # ... except what GRPOConfig parses from the command line first (`generation_kwargs`).
         _check(self, _RULES_AFTER_PARSING)
@@ -479,6 +485,16 @@ _RULES_AFTER_PARSING = [
           when=lambda c: c.score_centering and c.use_vllm and c.vllm_importance_sampling_correction,
           under="score_centering=True"),
 ]
+
+
+def rejected_grpo_fields() -> dict[str, tuple[object, str]]:
+    """GRPO fields that `RPPConfig` accepts at one value only, read from `_RULES` (a rule on a field GRPOConfig
+    declares, under the estimator alone): field -> (that value, `RPPConfig`'s default; the rule's reason). Any other
+    value raises a `ValueError` naming the field; `trl-rpp --help` says so for each (`trl_rpp.cli.make_parser`)."""
+    grpo = {f.name for f in dataclasses.fields(GRPOConfig)}
+    defaults = {f.name: f.default for f in dataclasses.fields(RPPConfig)}
+    return {rule.field: (defaults[rule.field], rule.why.rstrip("."))
+            for rule in _RULES if rule.under == _EST and rule.when is None and rule.field in grpo}
 
 
 def _render_docstring() -> str:

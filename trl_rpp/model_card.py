@@ -130,6 +130,22 @@ def training_settings(args) -> list[tuple[str, str]]:
     return rows
 
 
+def example_prompt(dataset):
+    """The `prompt` of the training data's first row (a string or a list of chat messages), for the card's quick
+    start; None when there is no such row to read (no dataset, an iterable dataset, no `prompt` column)."""
+    try:
+        row = dataset[0]
+    except (TypeError, IndexError, KeyError):
+        return None
+    return row.get("prompt") if isinstance(row, dict) else None
+
+
+def _quick_start_input(prompt) -> str:
+    """The pipeline's input in the quick start: the prompt as a Python literal (a text, or a list of messages: one
+    chat), or a placeholder that says no training prompt was recorded."""
+    return '"Your prompt here"' if prompt is None else repr(prompt)
+
+
 def _version(package: str) -> str:
     try:
         return version(package)
@@ -147,8 +163,10 @@ def render_model_card(
     tags: list[str] | None = None,
     wandb_url: str | None = None,
     peft_type: str | None = None,
+    prompt=None,
 ) -> str:
-    """The card's full text (YAML metadata and Markdown) for a run with `args` (an `RPPConfig`)."""
+    """The card's full text (YAML metadata and Markdown) for a run with `args` (an `RPPConfig`); its quick start asks
+    `prompt` (a string or a list of chat messages: `example_prompt` of the training data)."""
     from huggingface_hub import ModelCardData
 
     base_id, base_text = describe_base_model(base_model)
@@ -193,7 +211,7 @@ It was trained with {estimator} by `trl_rpp`'s `RPPTrainer`, a subclass of
 from transformers import pipeline
 
 generator = pipeline("text-generation", model="{load_from}", device_map="auto")
-output = generator([{{"role": "user", "content": "What is 17 + 25?"}}], max_new_tokens=64, return_full_text=False)[0]
+output = generator({_quick_start_input(prompt)}, max_new_tokens=64, return_full_text=False)[0]
 print(output["generated_text"])
 ```
 
@@ -246,5 +264,6 @@ def build_model_card(trainer, model_name=None, dataset_name=None, tags=None):
     text = render_model_card(
         args=trainer.args, base_model=base_model, model_name=model_name, dataset_name=dataset_name,
         hub_model_id=trainer.hub_model_id, tags=sorted(tags), wandb_url=wandb_url, peft_type=peft_type,
+        prompt=example_prompt(trainer.train_dataset),
     )
     return ModelCard(text)

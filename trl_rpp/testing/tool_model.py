@@ -150,10 +150,16 @@ def _conversation(a, b):
     ]
 
 
-def warmup_sequences(tokenizer):
+def direct_answer_text(a: int, b: int) -> str:
+    """A wrong answer given without the tool: the sum instead of the product (never equal for `PAIRS`)."""
+    return f"The answer is {a + b}.<|im_end|>"
+
+
+def warmup_sequences(tokenizer, direct_answers: bool = False):
     """``[(input_ids, labels)]``: the token sequences TRL's tool loop builds for `PAIRS` (prompt as
     `GRPOTrainer._tokenize_prompts` renders it, the call, TRL's own tool suffix, the answer), labels on the model's
-    tokens only; and the greeting."""
+    tokens only; and the greeting. With ``direct_answers``, each question is also answered at once, without the tool
+    and wrongly (`direct_answer_text`), so the warmed-up model calls the tool for about half of its samples."""
     from trl import GRPOTrainer
     from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 
@@ -179,18 +185,24 @@ def warmup_sequences(tokenizer):
         ids = prompt + call + suffix + answer
         labels = [-100] * len(prompt) + call + [-100] * len(suffix) + answer
         sequences.append((ids, labels))
+        if direct_answers:
+            direct = encode(direct_answer_text(a, b))
+            sequences.append((prompt + direct, [-100] * len(prompt) + direct))
     prompt, answer = prompt_ids(GREETING), encode(GREETING_ANSWER + "<|im_end|>")
     sequences.append((prompt + answer, [-100] * len(prompt) + answer))
     return sequences
 
 
 def build_tool_model(
-    path: str | os.PathLike, seed: int = 0, max_steps: int = 700, target_loss: float = 3e-3, threads: int | None = 1
+    path: str | os.PathLike, seed: int = 0, max_steps: int = 700, target_loss: float = 3e-3, threads: int | None = 1,
+    direct_answers: bool = False,
 ) -> str:
     """Build, warm up and save the tiny tool-calling model and its tokenizer under `path`. Returns `str(path)`.
 
     The warm-up stops at ``max_steps`` or once the mean token loss is below ``target_loss`` (checked every 25 steps;
     about 400 steps). It runs with ``threads`` torch threads (restored afterwards). Reuses an existing save.
+    ``direct_answers``: see `warmup_sequences` (the first answer token is then a coin flip, so the loss floor is
+    higher: ``target_loss`` should be raised accordingly).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -203,7 +215,7 @@ def build_tool_model(
         num_key_value_heads=4, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=False,
     )
-    sequences = warmup_sequences(tokenizer)
+    sequences = warmup_sequences(tokenizer, direct_answers)
     L = max(len(ids) for ids, _ in sequences)
     x = torch.tensor([ids + [tokenizer.pad_token_id] * (L - len(ids)) for ids, _ in sequences])
     y = torch.tensor([labels + [-100] * (L - len(labels)) for _, labels in sequences])
