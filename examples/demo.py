@@ -14,8 +14,7 @@ file, 20 s per held-out evaluation, about 25 s per training step).
 Where a step went (`python benchmarks/demo_step_time.py`, 2 threads, with the KL loss on): generation 5.4 s, the
 KL loss's reference forward 5.6 s, the policy forward 6.8 s, its backward 12.0 s, of 29.8 s. Gradient
 checkpointing (TRL's default) changed nothing measurable (29.8 s on, 29.5 s off). So the demo turns both off: the
-reference forward buys nothing in 16 LoRA steps, where the adapter stays close to the base model; the previous
-configuration (KL loss on) reached 0.82 on the same prompts in the same 16 steps, one seed each.
+reference forward buys nothing in 16 LoRA steps, where the adapter stays close to the base model.
 
 Everything lands in --output_dir: the LoRA checkpoint and its model card (README.md), metrics.jsonl (the trainer's
 log history), learning_curve.png (reward per step with a moving average), summary.json and the offline wandb run.
