@@ -57,6 +57,7 @@ def xdist_group_of(item):
     return f"{item.module.__name__}:{'+'.join(scoped)}" if scoped else None
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the xdist_group marks into node ids
 def pytest_collection_modifyitems(config, items):
     """Tests that share a fixture run once per worker stay on one xdist worker (`--dist loadgroup`), so that the
     fixture (a vLLM engine, a reference run, the two-process launch) is made once; every other test is scheduled on

@@ -134,3 +134,19 @@ def test_the_pytest_process_keeps_vllm():
     from trl.import_utils import is_vllm_available
 
     assert sys.modules.get("vllm", "not imported") is not None and is_vllm_available()
+
+
+# --- grouping ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def made_once_per_module():
+    return object()
+
+
+def test_tests_sharing_a_module_fixture_stay_on_one_worker(request, made_once_per_module):
+    """Under `--dist loadgroup` (make test), xdist schedules by node id: the group that tests/conftest.py gives a test
+    using a module-scoped fixture must be in it, or each worker would make the fixture (a vLLM run) again."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or request.config.getoption("dist", None) != "loadgroup":
+        pytest.skip("runs under make test's pytest-xdist --dist loadgroup")
+    assert request.node.nodeid.endswith("@test_harness:made_once_per_module"), request.node.nodeid
