@@ -385,12 +385,12 @@ def test_console_script_is_declared_and_resolves_to_the_cli(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_trains_with_train_and_test_splits_and_writes_the_card(tmp_path, tiny_model):
+def test_cli_trains_with_train_and_test_splits_and_writes_the_card(tmp_path):
     """With a reward function from a module in the working directory (a dotted path) and a reward model, as
     `trl grpo` takes them: both are logged under their names, so both rewarded the completions."""
-    from trl_rpp.testing.tiny import copy_task_dataset
+    from trl_rpp.testing.tiny import build_tiny_model, copy_task_dataset
 
-    model = tiny_model
+    model = build_tiny_model(tmp_path / "m")  # also the reward model: its folder's name is its metric's, rewards/m
     data = tmp_path / "data"
     data.mkdir()
     _write(data / "train.jsonl", copy_task_dataset(32, seed=1))

@@ -147,6 +147,7 @@ def made_once_per_module():
 def test_tests_sharing_a_module_fixture_stay_on_one_worker(request, made_once_per_module):
     """Under `--dist loadgroup` (make test), xdist schedules by node id: the group that tests/conftest.py gives a test
     using a module-scoped fixture must be in it, or each worker would make the fixture (a vLLM run) again."""
-    if not os.environ.get("PYTEST_XDIST_WORKER") or request.config.getoption("dist", None) != "loadgroup":
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not request.config.getvalue("loadgroup"):
         pytest.skip("runs under make test's pytest-xdist --dist loadgroup")
-    assert request.node.nodeid.endswith("@test_harness:made_once_per_module"), request.node.nodeid
+    assert request.node.nodeid.endswith("@test_harness:made_once_per_module"), (
+        request.node.nodeid, [m.args for m in request.node.iter_markers("xdist_group")])

@@ -13,7 +13,9 @@ from trl_rpp import RPPConfig, RPPTrainer
 
 
 # TRL's importance-sampling modes, each run for this many generations by the vLLM engine test's cycling run.
-IS_MODES = ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+# Sequence-level modes first: one weight per completion, so a batch can be all clipped or all masked once the policy
+# has moved; the test asks each mode to act on some weights, not all.
+IS_MODES = ["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"]
 IS_STEPS_PER_MODE = 2
 
 

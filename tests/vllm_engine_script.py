@@ -164,9 +164,10 @@ SINGLE = {
                       dict(vllm_dtype="float32", max_steps=3, score_centering=True, score_centering_top_k=32,
                            vllm_importance_sampling_mode="token_truncate"), False),
     # Both estimators through all four modes (ProbingTrainer.cycle_is_modes), one engine each.
+    # A small learning rate keeps every mode's batches near the initial weights, as the first steps of a run are.
     **{f"is_{est}": (est, dict(max_steps=IS_STEPS_PER_MODE * len(IS_MODES), vllm_importance_sampling_mode=IS_MODES[0],
-                               vllm_importance_sampling_clip_min=0.999, vllm_importance_sampling_clip_max=1.001),
-                     False)
+                               vllm_importance_sampling_clip_min=0.999, vllm_importance_sampling_clip_max=1.001,
+                               learning_rate=1e-4), False)
        for est in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")},
     "is_sc_token_mask": ("reinforce_plus_plus_baseline",
                          dict(max_steps=2, score_centering=True, score_centering_top_k=32,
