@@ -31,6 +31,8 @@ def test_default_config_emits_no_deprecation_warning(estimator):
         config = RPPConfig(output_dir="unused", advantage_estimator=estimator, use_cpu=True, bf16=False,
                            report_to="none")
     assert not _deprecations(caught), _deprecations(caught)
+    if not hasattr(config, "activation_checkpointing"):
+        return  # transformers < 5.23 (make test-min's floor) has the old name only, which never warned
     # The value is kept under both names, as transformers resolves them: TRL's default, on.
     assert config.gradient_checkpointing is True and config.activation_checkpointing is True
     off = RPPConfig(output_dir="unused", gradient_checkpointing=False, use_cpu=True, bf16=False, report_to="none")

@@ -261,10 +261,12 @@ class RPPConfig(GRPOConfig):
                     raise _unsupported(f.name, value, tuple(f.metadata["choices"]))
         _check(self, _RULES)
         parse_preemption_signals(self.preemption_signals)  # its rule lives with the signal names
-        # TRL documents `gradient_checkpointing` (default True); transformers 5 renamed it `activation_checkpointing`
+        # TRL documents `gradient_checkpointing` (default True); transformers 5.23 renamed it `activation_checkpointing`
         # and warns (FutureWarning) whenever it resolves the old name itself, so every default run warned. Resolving
-        # it here, as transformers would (the new name wins when set), keeps the value and drops the warning.
-        if self.activation_checkpointing is None and self.gradient_checkpointing is not None:
+        # it here, as transformers would (the new name wins when set), keeps the value and drops the warning. Older
+        # transformers (the 5.17 floor) have only the old name, and no warning.
+        renamed = getattr(self, "activation_checkpointing", _ABSENT)
+        if renamed is None and self.gradient_checkpointing is not None:
             self.activation_checkpointing = self.gradient_checkpointing
         super().__post_init__()
         # ... except what GRPOConfig parses from the command line first (`generation_kwargs`).
