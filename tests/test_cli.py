@@ -55,6 +55,42 @@ def test_no_offered_negation_always_fails():
         _args("--no_normalize_advantages")
 
 
+@pytest.mark.parametrize("columns", ["60", "100", "400"])
+def test_help_rebuilt_from_its_capture_prints_the_live_help(monkeypatch, columns):
+    """`cli_help.rebuild(cli_help.capture(parser))` formats the same text as the parser itself, at any terminal
+    width (argparse wraps to $COLUMNS), usage line included."""
+    from trl_rpp import cli_help
+
+    monkeypatch.setenv("COLUMNS", columns)
+    live = cli.make_parser()
+    spec = json.loads(json.dumps(cli_help.capture(live)))  # through JSON, as the file stores it
+    assert cli_help.rebuild(spec, prog=live.prog).format_help() == live.format_help()
+
+
+def test_shipped_help_is_the_live_help_of_the_installed_versions(monkeypatch, capsys):
+    """The help `trl-rpp --help` prints from `cli_help.json` is the live parser's, for the versions installed here
+    (`make install`'s): a changed flag or help text without `python -m trl_rpp.cli_help --write` fails here. With
+    versions it was not written for, `--help` builds the live parser instead."""
+    from trl_rpp import cli_help
+
+    monkeypatch.setenv("COLUMNS", "120")
+    monkeypatch.setattr(sys, "argv", ["trl-rpp"])
+    shipped = cli_help.cached_parser()
+    assert shipped is not None, (f"cli_help.json has no help for {cli_help.installed_versions()}: run "
+                                 "`python -m trl_rpp.cli_help --write`")
+    live = cli.make_parser().format_help()
+    assert shipped.format_help() == live
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--help"])
+    assert stop.value.code == 0 and capsys.readouterr().out == live
+    other = dict(cli_help.installed_versions(), transformers="0.0")
+    monkeypatch.setattr(cli_help, "installed_versions", lambda: other)
+    assert cli_help.cached_parser() is None
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["-h"])  # the live parser
+    assert stop.value.code == 0 and capsys.readouterr().out == live
+
+
 def test_help_lists_the_rpp_fields_and_the_script_arguments():
     text = cli.make_parser().format_help()
     for flag in ("--advantage_estimator", "--kl_coef", "--use_kl_loss", "--reward_funcs", "--eval_dataset_name",

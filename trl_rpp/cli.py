@@ -27,6 +27,7 @@ this same program.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -34,40 +35,52 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trl import ScriptArguments
-
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # `--no_<field>` complements that HfArgumentParser adds for boolean fields defaulting to True, but whose False is
 # always rejected by RPPConfig: offering them would only produce an error (tests/test_cli.py checks the rest build).
 _REJECTED_NEGATIONS = ("--no_normalize_advantages", "--no_use_bias_correction_kl")
 
 
-@dataclass
-class RPPScriptArguments(ScriptArguments):
-    reward_model_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "Reward model, as in `trl grpo`: a Hub model id or a local directory saved with "
-                  "`save_pretrained`, loaded as a sequence classifier with one label. It is the first reward, "
-                  "before --reward_funcs (the order of --reward_weights)."},
-    )
-    reward_funcs: list[str] = field(
-        default_factory=list,
-        metadata={"help": "Reward functions: final_answer (the last number, \\boxed{} or #### answer equals the "
-                  "`answer` column), exact_answer (the first integer equals `answer`), a TRL reward "
-                  "(accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment "
-                  "with max_completion_len=--max_completion_length and a quarter of it as soft_punish_cache, "
-                  "get_repetition_penalty_reward), or, as in `trl grpo`, a dotted import path to a function "
-                  "(`my_lib.rewards.custom_reward`), importable from the current directory or PYTHONPATH."},
-    )
-    eval_dataset_name: str | None = field(
-        default=None,
-        metadata={"help": "Evaluation data, when --dataset_name is a single file: a local file or directory, or "
-                  "a Hub dataset (then its --dataset_test_split)."},
-    )
-    dry_run: bool = field(
-        default=False,
-        metadata={"help": "Print the resolved configuration as JSON and exit without loading a model or data."},
-    )
+@functools.cache
+def script_arguments_class():
+    """`RPPScriptArguments`: TRL's `ScriptArguments` plus this command's own flags. Defined on first use, so
+    that importing this module (and `--help`, see `trl_rpp.cli_help`) does not import TRL."""
+    from trl import ScriptArguments
+
+    @dataclass
+    class RPPScriptArguments(ScriptArguments):
+        reward_model_name_or_path: str | None = field(
+            default=None,
+            metadata={"help": "Reward model, as in `trl grpo`: a Hub model id or a local directory saved with "
+                      "`save_pretrained`, loaded as a sequence classifier with one label. It is the first reward, "
+                      "before --reward_funcs (the order of --reward_weights)."},
+        )
+        reward_funcs: list[str] = field(
+            default_factory=list,
+            metadata={"help": "Reward functions: final_answer (the last number, \\boxed{} or #### answer equals the "
+                      "`answer` column), exact_answer (the first integer equals `answer`), a TRL reward "
+                      "(accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment "
+                      "with max_completion_len=--max_completion_length and a quarter of it as soft_punish_cache, "
+                      "get_repetition_penalty_reward), or, as in `trl grpo`, a dotted import path to a function "
+                      "(`my_lib.rewards.custom_reward`), importable from the current directory or PYTHONPATH."},
+        )
+        eval_dataset_name: str | None = field(
+            default=None,
+            metadata={"help": "Evaluation data, when --dataset_name is a single file: a local file or directory, or "
+                      "a Hub dataset (then its --dataset_test_split)."},
+        )
+        dry_run: bool = field(
+            default=False,
+            metadata={"help": "Print the resolved configuration as JSON and exit without loading a model or data."},
+        )
+
+    return RPPScriptArguments
+
+
+def __getattr__(name):
+    if name == "RPPScriptArguments":
+        return script_arguments_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _flag(value) -> str:
@@ -100,7 +113,7 @@ def make_parser():
 
     from trl_rpp import RPPConfig
 
-    parser = TrlParser((RPPScriptArguments, RPPConfig, ModelConfig))
+    parser = TrlParser((script_arguments_class(), RPPConfig, ModelConfig))
     replaced, score_centering_only = rejected_flag_help(set(RPPConfig.__annotations__))
     for action in parser._actions:
         if action.dest in replaced:
@@ -398,6 +411,13 @@ def train(script_args, training_args, model_args):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv in (["--help"], ["-h"]):
+        from trl_rpp.cli_help import cached_parser
+
+        fast = cached_parser()  # the same text, without importing TRL (None for versions it was not written for)
+        if fast is not None:
+            fast.print_help()
+            fast.exit()
     parser = make_parser()
     without_gpu = False
     try:
