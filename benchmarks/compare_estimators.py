@@ -453,6 +453,17 @@ def t_interval(values):
     return mean, std, t975 * std / math.sqrt(n)
 
 
+def unpaired_interval(a, b):
+    """Welch's unpaired difference ``mean(a) - mean(b)`` as (diff, standard error, 95% half-width), or None with
+    fewer than 2 values on a side. Runs that share a seed diverge within a few steps, so seeds are not pairs."""
+    from mismatch_study import t_quantile, welch_interval  # benchmarks/ is on sys.path when a script runs
+
+    if len(a) < 2 or len(b) < 2:
+        return None
+    w = welch_interval(a, b)
+    return w["diff"], (w["half"] / t_quantile(0.975, w["df"]) if w["half"] else 0.0), w["half"]
+
+
 def _load_runs(opts, arms):
     runs = {}
     for arm in arms:
@@ -509,7 +520,10 @@ def _aggregate(runs, arms, seeds, control, extra_keys):
         common = [s for s in done if (control, s) in runs]
         if arm != control and common:
             diffs = [summaries[s]["heldout_after"] - runs[(control, s)][0]["heldout_after"] for s in common]
-            paired[arm] = dict(seeds=common, diff=t_interval(diffs), per_seed=diffs)
+            control_done = [s for s in seeds if (control, s) in runs]
+            paired[arm] = dict(seeds=common, diff=t_interval(diffs), per_seed=diffs, unpaired=unpaired_interval(
+                [summaries[s]["heldout_after"] for s in done],
+                [runs[(control, s)][0]["heldout_after"] for s in control_done]))
     return table, paired
 
 
@@ -558,15 +572,16 @@ def _markdown(out):
     def table(title, arms, paired, control):
         lines.extend([
             f"### {title}", "",
-            "Held-out accuracy: mean ± std [95% t interval] over seeds. Paired difference: arm minus "
-            f"`{control}`, same seed.", "",
-            f"| arm | seeds | held-out before | held-out after | after − {control} (paired) |",
-            "|---|---|---|---|---|",
+            "Held-out accuracy: mean ± std [95% t interval] over seeds. Differences: arm minus "
+            f"`{control}`, unpaired (Welch: diff ± standard error [95% interval]), and paired by seed.", "",
+            f"| arm | seeds | held-out before | held-out after | after − {control} (unpaired) | (paired) |",
+            "|---|---|---|---|---|---|",
         ])
         for arm, row in arms.items():
             diff = _fmt_interval(paired[arm]["diff"]) if arm in paired else "—"
+            unpaired = paired[arm].get("unpaired") if arm in paired else None
             lines.append(f"| `{arm}` | {len(row['seeds'])} | {_fmt_interval(row['before'])} | "
-                         f"{_fmt_interval(row['after'])} | {diff} |")
+                         f"{_fmt_interval(row['after'])} | {_fmt_interval(unpaired) if unpaired else '—'} | {diff} |")
         lines.append("")
 
     def stability(arms, keys):
@@ -666,6 +681,13 @@ def _paired(runs, arm, control, seeds, key):
     return t_interval([runs[(arm, s)][0][key] - runs[(control, s)][0][key] for s in common])
 
 
+def _unpaired(runs, arm, control, seeds, key):
+    if arm == control:
+        return None
+    return unpaired_interval([runs[(arm, s)][0][key] for s in seeds if (arm, s) in runs],
+                             [runs[(control, s)][0][key] for s in seeds if (control, s) in runs])
+
+
 def _study_rows(runs, arms, seeds, control, metrics, keys):
     """Per arm: the held-out `metrics` after training (interval over seeds, paired difference to `control`), the
     per-step `keys` (mean over steps and seeds), median s/step and the CPU seconds of every run."""
@@ -681,7 +703,8 @@ def _study_rows(runs, arms, seeds, control, metrics, keys):
                 continue  # e.g. the 16-step table's runs, made before the out-of-distribution score existed
             row[m] = dict(before=t_interval([runs[(arm, s)][0][f"{m}_before"] for s in done]),
                           after=t_interval([runs[(arm, s)][0][f"{m}_after"] for s in done]),
-                          paired=_paired(runs, arm, control, seeds, f"{m}_after"))
+                          paired=_paired(runs, arm, control, seeds, f"{m}_after"),
+                          unpaired=_unpaired(runs, arm, control, seeds, f"{m}_after"))
         for key in keys:
             per_seed = [_series(runs, arm, s, key) for s in done]
             if all(per_seed):
@@ -740,12 +763,14 @@ def report_noise(opts, model):
     from_main = "sigma0" in out and not tiny and not os.path.isdir(os.path.join(root, "sigma0"))
     lines = [f"### Study 1: reward noise and shaping ({model})", "",
              f"Held-out {LABELS[primary]} after training, "
-             "mean ± std [95% t interval] over seeds; paired: arm minus `rpp_baseline`, same seed. Per-step means "
+             "mean ± std [95% t interval] over seeds; differences: arm minus `rpp_baseline`, unpaired (Welch) and "
+             "paired by seed. Per-step means "
              "over all steps and seeds.", ""]
     for name, rows in out.items():
         source = "; the 16-step table's runs" if name == "sigma0" and from_main else ""
         lines += [f"**{name}** ({', '.join(f'{k} = {v:g}' for k, v in NOISE_CONDITIONS[name].items())}{source})", ""]
-        cols = [(primary, "after", "held-out after"), (primary, "paired", "− rpp_baseline (paired)")]
+        cols = [(primary, "after", "held-out after"), (primary, "unpaired", "− rpp_baseline (unpaired)"),
+                (primary, "paired", "(paired)")]
         if tiny:
             cols.append(("heldout", "after", "greedy accuracy after"))
         _study_table(lines, rows, "rpp_baseline", cols, [
@@ -753,9 +778,10 @@ def report_noise(opts, model):
             ("reward_noise/clean_reward", "training correctness reward"), ("grad_norm", "grad norm")])
     if "sigma0" in out and any(ood in r for r in out["sigma0"].values()):
         lines += [f"### Study 3: out-of-distribution prompts ({model}, sigma = 0)", "",
-                  f"Held-out out-of-distribution {LABELS[ood]}, before and after training; paired: arm minus "
-                  "`rpp_baseline`, same seed.", ""]
-        cols = [(ood, "before", "OOD before"), (ood, "after", "OOD after"), (ood, "paired", "− rpp_baseline (paired)"),
+                  f"Held-out out-of-distribution {LABELS[ood]}, before and after training; arm minus "
+                  "`rpp_baseline`, unpaired (Welch) and paired by seed.", ""]
+        cols = [(ood, "before", "OOD before"), (ood, "after", "OOD after"),
+                (ood, "unpaired", "− rpp_baseline (unpaired)"), (ood, "paired", "(paired)"),
                 (primary, "after", "in-distribution after")]
         if tiny:
             cols.append(("heldout_ood", "after", "OOD greedy accuracy after"))
@@ -832,9 +858,9 @@ def report_drift(opts):
     lines = ["### Study 2: sampler drift over a long horizon (tiny model)", "",
              "Held-out p(first token = answer) under the trainer (exact, temperature 1) after training, mean ± std "
              "[95% t interval] over seeds.", "", "**The bias sweep**: uncorrected runs against the run without a "
-             "bias (`bias0`), paired by seed.", "",
-             "| bias sigma | seeds | held-out after | − no bias (paired) | greedy accuracy after | mean abs log p − log q |",
-             "|---|---|---|---|---|---|"]
+             "bias (`bias0`), unpaired (Welch) and paired by seed.", "",
+             "| bias sigma | seeds | held-out after | − no bias (unpaired) | (paired) | greedy accuracy after | "
+             "mean abs log p − log q |", "|---|---|---|---|---|---|---|"]
     sweep_rows, tables = {}, {}
     for sg in sigmas:
         runs = runs_by[sg]
@@ -844,6 +870,7 @@ def report_drift(opts):
             continue
         row = sweep_rows[sg] = rows["mismatch_none"]
         lines.append(f"| {sg:g} | {len(row['seeds'])} | {_cell(row, 'heldout_prob', 'after')} | "
+                     f"{_cell(row, 'heldout_prob', 'unpaired') if sg else '—'} | "
                      f"{_cell(row, 'heldout_prob', 'paired') if sg else '—'} | {_cell(row, 'heldout', 'after')} | "
                      f"{row.get('mismatch/abs_log_ratio_mean', float('nan')):.3g} |")
         if sg and len({a for a, _ in runs}) > 1:
@@ -851,15 +878,20 @@ def report_drift(opts):
             for arm, r in tables[sg].items():
                 r["vs_nobias"] = t_interval([runs[(arm, s)][0]["heldout_prob_after"] - nobias[("mismatch_none", s)][0]["heldout_prob_after"]
                                              for s in r["seeds"] if ("mismatch_none", s) in nobias]) if nobias else None
+                r["vs_nobias_unpaired"] = unpaired_interval(
+                    [runs[(arm, s)][0]["heldout_prob_after"] for s in r["seeds"]],
+                    [v[0]["heldout_prob_after"] for (a, _), v in nobias.items() if a == "mismatch_none"])
     lines.append("")
     for sg, rows in tables.items():
-        lines += [f"**Every correction at bias sigma = {sg:g}**; paired: arm minus `mismatch_none` (the uncorrected "
-                  "run), and arm minus the run without a bias, same seed.", ""]
+        lines += [f"**Every correction at bias sigma = {sg:g}**: arm minus `mismatch_none` (the uncorrected "
+                  "run), and arm minus the run without a bias, unpaired (Welch) and paired by seed.", ""]
         for r in rows.values():
             r["heldout_prob"]["vs_nobias"] = r.pop("vs_nobias")
+            r["heldout_prob"]["vs_nobias_unpaired"] = r.pop("vs_nobias_unpaired")
         _study_table(lines, rows, "mismatch_none", [
-            ("heldout_prob", "after", "held-out after"), ("heldout_prob", "paired", "− mismatch_none (paired)"),
-            ("heldout_prob", "vs_nobias", "− no bias (paired)"), ("heldout", "after", "greedy accuracy after")],
+            ("heldout_prob", "after", "held-out after"), ("heldout_prob", "unpaired", "− mismatch_none (unpaired)"),
+            ("heldout_prob", "paired", "(paired)"), ("heldout_prob", "vs_nobias_unpaired", "− no bias (unpaired)"),
+            ("heldout_prob", "vs_nobias", "(paired)"), ("heldout", "after", "greedy accuracy after")],
             [("mismatch/abs_log_ratio_mean", "mean abs log p − log q"), ("score_centering/coeff_l1", "SC coefficient L1"),
              ("mismatch/is_masked_fraction", "TIS masked sequences"), ("mismatch/is_truncated_fraction", "TIS truncated tokens"),
              ("entropy", "entropy"), ("kl_loss", "k2 KL loss")])

@@ -1,13 +1,20 @@
 """docs/evidence.md against the result files the sweeps wrote: every `mean [low, high]` on the page is one of the
-results in `benchmarks/results/compare_estimators/report.json` or `studies.json` (mean, and mean -/+ the t
-interval's half-width), so a number edited by hand, or left behind by a new sweep, fails here."""
+results in `benchmarks/results/compare_estimators/report.json` or `studies.json` (mean, and mean -/+ the interval's
+half-width), or in study 4's `benchmarks/results/mismatch_study/report.json` (a t interval over an arm's seeds, or
+a contrast's Welch interval), so a number edited by hand, or left behind by a new sweep, fails here."""
 
 import json
+import math
 import re
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "compare_estimators"
+STUDY4 = REPO / "benchmarks" / "results" / "mismatch_study" / "report.json"
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import mismatch_study  # noqa: E402
 NUMBER = r"[−+-]?\d+\.\d+"
 
 
@@ -32,10 +39,28 @@ def result_intervals(node, out):
     return out
 
 
+def study4_intervals(report, out):
+    """Study 4's report: each arm's metric values as (mean, t interval), each contrast as (diff, low, high)."""
+    for condition in report.values():
+        for row in condition.get("arms", {}).values():
+            for key, _ in mismatch_study.METRICS:
+                values = row[key]
+                n, mean = len(values), sum(values) / len(values)
+                if n > 1:
+                    half = mismatch_study.t_quantile(0.975, n - 1) * math.sqrt(
+                        sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+                    out.append((mean, mean - half, mean + half))
+        for contrast in condition.get("contrasts", {}).values():
+            out.extend((c["diff"], c["low"], c["high"]) for c in contrast.values() if c)
+    return out
+
+
 def test_every_interval_on_the_page_is_a_result():
     results = []
     for name in ("report.json", "studies.json"):
         result_intervals(json.loads((RESULTS / name).read_text()), results)
+    if STUDY4.exists():
+        study4_intervals(json.loads(STUDY4.read_text()), results)
     shown = page_intervals()
     assert len(shown) > 40  # the parser found the tables and the text
     missing = [t for t in shown if not any(all(abs(a - b) <= 0.0011 for a, b in zip(t, r)) for r in results)]
@@ -46,3 +71,9 @@ def test_the_check_can_fail():
     results = result_intervals({"a": [0.5, 0.1, 0.2]}, [])
     assert results == [(0.5, 0.3, 0.7)]
     assert not any(all(abs(a - b) <= 0.0011 for a, b in zip((0.5, 0.3, 0.71), r)) for r in results)
+    study4 = {"stale8": {"arms": {"sc32": {k: [0.1, 0.3] for k, _ in mismatch_study.METRICS}},
+                         "contrasts": {"x": {"copy_prob_area": {"diff": 0.2, "low": 0.1, "high": 0.3}}}}}
+    found = study4_intervals(study4, [])
+    half = 12.706 * 0.1  # t(0.975, 1) x the standard error of [0.1, 0.3]
+    assert any(all(abs(a - b) < 1e-3 for a, b in zip((0.2, 0.2 - half, 0.2 + half), r)) for r in found)
+    assert (0.2, 0.1, 0.3) in found
