@@ -573,7 +573,7 @@ def _markdown(out):
         lines.extend([
             f"### {title}", "",
             "Held-out accuracy: mean ± std [95% t interval] over seeds. Differences: arm minus "
-            f"`{control}`, unpaired (Welch: diff ± standard error [95% interval]), and paired by seed.", "",
+            f"`{control}`, unpaired (Welch: difference ± standard error [95% interval]), and paired by seed.", "",
             f"| arm | seeds | held-out before | held-out after | after − {control} (unpaired) | (paired) |",
             "|---|---|---|---|---|---|",
         ])
@@ -763,8 +763,8 @@ def report_noise(opts, model):
     from_main = "sigma0" in out and not tiny and not os.path.isdir(os.path.join(root, "sigma0"))
     lines = [f"### Study 1: reward noise and shaping ({model})", "",
              f"Held-out {LABELS[primary]} after training, "
-             "mean ± std [95% t interval] over seeds; differences: arm minus `rpp_baseline`, unpaired (Welch) and "
-             "paired by seed. Per-step means "
+             "mean ± std [95% t interval] over seeds; differences: arm minus `rpp_baseline`, unpaired (Welch: "
+             "difference ± standard error [95% interval]) and paired by seed. Per-step means "
              "over all steps and seeds.", ""]
     for name, rows in out.items():
         source = "; the 16-step table's runs" if name == "sigma0" and from_main else ""
@@ -779,7 +779,8 @@ def report_noise(opts, model):
     if "sigma0" in out and any(ood in r for r in out["sigma0"].values()):
         lines += [f"### Study 3: out-of-distribution prompts ({model}, sigma = 0)", "",
                   f"Held-out out-of-distribution {LABELS[ood]}, before and after training; arm minus "
-                  "`rpp_baseline`, unpaired (Welch) and paired by seed.", ""]
+                  "`rpp_baseline`, unpaired (Welch: difference ± standard error [95% interval]) and paired by "
+                  "seed.", ""]
         cols = [(ood, "before", "OOD before"), (ood, "after", "OOD after"),
                 (ood, "unpaired", "− rpp_baseline (unpaired)"), (ood, "paired", "(paired)"),
                 (primary, "after", "in-distribution after")]
@@ -858,7 +859,8 @@ def report_drift(opts):
     lines = ["### Study 2: sampler drift over a long horizon (tiny model)", "",
              "Held-out p(first token = answer) under the trainer (exact, temperature 1) after training, mean ± std "
              "[95% t interval] over seeds.", "", "**The bias sweep**: uncorrected runs against the run without a "
-             "bias (`bias0`), unpaired (Welch) and paired by seed.", "",
+             "bias (`bias0`), unpaired (Welch: difference ± standard error [95% interval]) and paired by "
+             "seed.", "",
              "| bias sigma | seeds | held-out after | − no bias (unpaired) | (paired) | greedy accuracy after | "
              "mean abs log p − log q |", "|---|---|---|---|---|---|---|"]
     sweep_rows, tables = {}, {}
@@ -884,7 +886,8 @@ def report_drift(opts):
     lines.append("")
     for sg, rows in tables.items():
         lines += [f"**Every correction at bias sigma = {sg:g}**: arm minus `mismatch_none` (the uncorrected "
-                  "run), and arm minus the run without a bias, unpaired (Welch) and paired by seed.", ""]
+                  "run), and arm minus the run without a bias, unpaired (Welch: difference ± standard error [95% "
+                  "interval]) and paired by seed.", ""]
         for r in rows.values():
             r["heldout_prob"]["vs_nobias"] = r.pop("vs_nobias")
             r["heldout_prob"]["vs_nobias_unpaired"] = r.pop("vs_nobias_unpaired")

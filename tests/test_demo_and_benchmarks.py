@@ -235,6 +235,20 @@ def test_tied_group_adv_share_by_hand():
     assert reward(["a", "ab", "b"], ["a", "a", "a"]) == [1.1, 0.0, 0.1] and stash == [[1.0, 0.0, 0.0]]
 
 
+def test_unpaired_interval_is_welch_by_hand():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from compare_estimators import unpaired_interval
+
+    # a = [1, 3]: mean 2, variance 2, so se = sqrt(2/2 + 0/3) = 1; Welch's df = 1^2 / (1^2 / 1) = 1, t = 12.706.
+    diff, se, half = unpaired_interval([1.0, 3.0], [0.0, 0.0, 0.0])
+    assert diff == 2.0 and abs(se - 1.0) < 1e-12 and abs(half - 12.7062) < 1e-4
+    # Equal variances and sizes: df = 2(n - 1) = 6, t(0.975, 6) = 2.4469; se = sqrt(2 * 1 / 4).
+    diff, se, half = unpaired_interval([1.0, 2.0, 3.0, 2.0], [0.0, 1.0, 2.0, 1.0])
+    var = sum((x - 2.0) ** 2 for x in [1.0, 2.0, 3.0, 2.0]) / 3
+    assert diff == 1.0 and abs(se - (2 * var / 4) ** 0.5) < 1e-12 and abs(half / se - 2.4469) < 1e-4
+    assert unpaired_interval([1.0], [0.0, 1.0]) is None
+
+
 @pytest.mark.slow
 def test_vllm_benchmarks_run_small(tmp_path):
     """The real-engine benchmarks at toy sizes on the tiny model (head size 64, as vLLM's CPU attention needs)."""
