@@ -625,8 +625,8 @@ def _fmt_contrast(c):
 
 
 def report(opts):
-    """`<out>/report.md` and `report.json` (docs/evidence.md copies the tables) and the figure, from every
-    summary.json under `--out`; then study 2 again, with unpaired intervals, from compare_estimators' result files."""
+    """`<out>/report.md` and `report.json` (docs/evidence.md copies the summary table) and the figure, from every
+    summary.json under `--out`."""
     conditions = [c for c in CONDITIONS if os.path.isdir(os.path.join(opts.out, c))]
     conditions += sorted(c for c in os.listdir(opts.out) if os.path.isdir(os.path.join(opts.out, c))
                          and SOURCE.match(c) and c not in conditions) if os.path.isdir(opts.out) else []
@@ -663,16 +663,20 @@ def report(opts):
             if arm in rows and control in rows:
                 contrasts[name] = {k: _contrast(rows[arm][k], rows[control][k]) for k, _ in METRICS}
                 lines.append(f"| {name} | " + " | ".join(_fmt_contrast(contrasts[name][k]) for k, _ in METRICS) + " |")
+        sanity = None
         if "onpolicy" in rows and "sc_full" in rows:
             contrasts["sc_full − onpolicy"] = {k: _contrast(rows["sc_full"][k], rows["onpolicy"][k]) for k, _ in METRICS}
             lines.append("| sc_full − onpolicy | " + " | ".join(
                 _fmt_contrast(contrasts["sc_full − onpolicy"][k]) for k, _ in METRICS) + " |")
+            sanity = bias_sanity(runs["sc_full"], runs["onpolicy"])
+            lines += ["", "`sc_full` against `onpolicy`, per seed: the first step whose training reward differs "
+                      "(4 significant digits), and the final score's difference under the sampler.", ""]
+            lines += [f"- seed {r['seed']}: " + (f"first different step {r['first_different_step']} of {r['steps']}"
+                                                 if r["first_different_step"] else f"the same at all {r['steps']} steps")
+                      + f"; final |difference| {r['final_abs_diff']:.2g}" for r in sanity]
         lines.append("")
-        out[condition] = dict(arms=rows, contrasts=contrasts)
-    drift = report_study2(opts)
-    if drift:
-        out["study2"] = drift["json"]
-        lines += drift["lines"]
+        out[condition] = dict(arms=rows, contrasts=contrasts, **({"sanity": sanity} if sanity is not None else {}))
+    lines[4:4] = _summary_lines(out, conditions)  # after the introduction
     os.makedirs(opts.out, exist_ok=True)
     with open(os.path.join(opts.out, "report.json"), "w") as f:
         json.dump(out, f, indent=1)
@@ -684,30 +688,38 @@ def report(opts):
     return out
 
 
-def report_study2(opts):
-    """Study 2's corrections against the uncorrected run, unpaired (Welch), from compare_estimators' result files."""
-    root = os.path.join(opts.study2_out, "drift-tiny")
-    sigma_dirs = [d for d in os.listdir(root) if d.startswith("bias") and d != "bias0"] if os.path.isdir(root) else []
-    lines, result = [], {}
-    for d in sorted(sigma_dirs):
-        runs = {}
-        for arm in ("mismatch_none", "mismatch_tis", "mismatch_sc", "mismatch_both"):
-            where = os.path.join(root, d, arm)
-            for s in sorted(os.listdir(where)) if os.path.isdir(where) else []:
-                path = os.path.join(where, s, "summary.json")
-                if os.path.exists(path):
-                    runs.setdefault(arm, []).append(json.load(open(path))["heldout_prob_after"])
-        if len(runs) < 2:
+def bias_sanity(sc_full, onpolicy):
+    """Per seed run in both arms: the first step whose logged training reward differs (None: none differs) and the
+    absolute difference of the final score under the sampler. Before a sampled token flips the two are one run."""
+    by_seed = {r["seed"]: r for r in onpolicy}
+    rows = []
+    for r in sorted(sc_full, key=lambda r: r["seed"]):
+        other = by_seed.get(r["seed"])
+        if other is None:
             continue
-        lines += [f"**Study 2 again, {d}: unpaired** (held-out p(first token = answer) after training)", "",
-                  "| arm | seeds | after | − mismatch_none (Welch, permutation p) |", "|---|---|---|---|"]
-        result[d] = {}
-        for arm, values in runs.items():
-            c = _contrast(values, runs["mismatch_none"]) if arm != "mismatch_none" and "mismatch_none" in runs else None
-            result[d][arm] = dict(values=values, vs_none=c)
-            lines.append(f"| `{arm}` | {len(values)} | {_mean_ci(values)} | {_fmt_contrast(c)} |")
-        lines.append("")
-    return dict(json=result, lines=lines) if result else None
+        a, b = r["series"]["reward"], other["series"]["reward"]
+        first = next((i + 1 for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        rows.append(dict(seed=r["seed"], first_different_step=first, steps=min(len(a), len(b)),
+                         final_abs_diff=abs(r["sampler_copy_prob_after"] - other["sampler_copy_prob_after"])))
+    return rows
+
+
+def _summary_lines(out, conditions):
+    """The page's table (docs/evidence.md, study 4): per condition, the primary metric's contrasts."""
+    key = METRICS[0][0]
+    lines = [f"**Summary** ({METRICS[0][1]}): `uncorrected`, mean [95% t]; contrasts, Welch 95% interval "
+             "(permutation p).", "",
+             "| condition | seeds | `uncorrected` | " + " | ".join(name for name, _, _ in CONTRASTS) + " |",
+             "|---|---|---|" + "---|" * len(CONTRASTS)]
+    for condition in conditions:
+        if condition not in out or condition.startswith("bias") or "uncorrected" not in out[condition]["arms"]:
+            continue
+        arms, contrasts = out[condition]["arms"], out[condition]["contrasts"]
+        seeds = "/".join(str(n) for n in sorted({len(r["seeds"]) for r in arms.values()}))
+        cells = [_fmt_contrast(contrasts[name][key]).replace("(p = ", "(p ") if name in contrasts else "—"
+                 for name, _, _ in CONTRASTS]
+        lines.append(f"| `{condition}` | {seeds} | {_mean_ci(arms['uncorrected'][key])} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def plot(opts, out, conditions):
@@ -760,7 +772,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--figures", default=None, help="--report: default docs/figures for the default --out, else <out>/figures")
-    ap.add_argument("--study2_out", default="benchmarks/results/compare_estimators", help="--report: study 2's results")
     ap.add_argument("--conditions", default=",".join(CONDITIONS), help="mismatch sources: stale<N>, bf16, int8, int4, bias<sigma>")
     ap.add_argument("--arms", default=",".join(ALL_ARMS),
                     help=f"accepted: {', '.join(ALL_ARMS)}; a bias condition runs only {', '.join(BIAS_ARMS)}")

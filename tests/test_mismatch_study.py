@@ -236,12 +236,12 @@ def test_every_arm_and_source_runs_and_the_report_reads_them(tmp_path, tiny_mode
     out = capsys.readouterr().out
     assert out.count("done earlier, skipped") == 2 and "running" not in out
     # The report, from the files alone, through the command line.
-    monkeypatch.setattr(sys, "argv", ["mismatch_study.py", "--report", "--out", str(tmp_path), "--study2_out",
-                                      str(tmp_path / "none")])
+    monkeypatch.setattr(sys, "argv", ["mismatch_study.py", "--report", "--out", str(tmp_path)])
     ms.main()
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report) == {"stale4", "bf16", "int8", "int4", "bias2"}
     assert report["bias2"]["arms"]["onpolicy"]["sampler_copy_prob_after"] == [onpolicy["sampler_copy_prob_after"]]
+    assert [(r["seed"], r["steps"]) for r in report["bias2"]["sanity"]] == [(0, 2)]
     assert (tmp_path / "figures" / "evidence_mismatch_study.png").stat().st_size > 10_000
 
 
@@ -260,7 +260,7 @@ def test_report_contrasts_are_welch_and_permutation_of_the_files(tmp_path):
             d = tmp_path / "int4" / arm / f"seed{seed + 3 * (arm == 'sc32')}"  # seeds need not match across arms
             d.mkdir(parents=True)
             (d / "summary.json").write_text(json.dumps(_summary("int4", arm, seed, v)))
-    opts = argparse.Namespace(out=str(tmp_path), figures=str(tmp_path / "figures"), study2_out=str(tmp_path / "none"))
+    opts = argparse.Namespace(out=str(tmp_path), figures=str(tmp_path / "figures"))
     out = ms.report(opts)
     c = out["int4"]["contrasts"]
     for name, arm, control in (("sc32 − uncorrected", "sc32", "uncorrected"),
@@ -278,3 +278,16 @@ def test_report_contrasts_are_welch_and_permutation_of_the_files(tmp_path):
     assert (tmp_path / "figures" / "evidence_mismatch_study.png").stat().st_size > 10_000
     md = (tmp_path / "report.md").read_text()
     assert "| `sc32` | 4 | 0.650 [" in md and "| sc32 − uncorrected | +0.450 [" in md
+    # The summary table: the primary metric (the same values in every metric here), seeds 3 and 4.
+    assert "| `int4` | 3/4 | 0.200 [" in md and "| +0.450 [" in md and "(p 0.029)" in md
+
+
+def test_bias_sanity_by_hand():
+    def run(seed, rewards, final):
+        return dict(seed=seed, series={"reward": rewards}, sampler_copy_prob_after=final)
+
+    sc_full = [run(1, [0.1, 0.2], 0.4), run(0, [0.1, 0.2, 0.3], 0.5), run(2, [0.3], 0.1)]
+    onpolicy = [run(0, [0.1, 0.25, 0.3], 0.45), run(1, [0.1, 0.2], 0.4)]
+    rows = ms.bias_sanity(sc_full, onpolicy)
+    assert [(r["seed"], r["first_different_step"], r["steps"]) for r in rows] == [(0, 2, 3), (1, None, 2)]
+    assert rows[0]["final_abs_diff"] == pytest.approx(0.05) and rows[1]["final_abs_diff"] == 0.0
