@@ -709,8 +709,8 @@ def _summary_lines(out, conditions):
     key = METRICS[0][0]
     lines = [f"**Summary** ({METRICS[0][1]}): `uncorrected`, mean [95% t]; contrasts, Welch 95% interval "
              "(permutation p).", "",
-             "| condition | seeds | `uncorrected` | " + " | ".join(name for name, _, _ in CONTRASTS) + " |",
-             "|---|---|---|" + "---|" * len(CONTRASTS)]
+             "| condition | seeds | abs log p − log q | `uncorrected` | " + " | ".join(n for n, _, _ in CONTRASTS) + " |",
+             "|---|---|---|---|" + "---|" * len(CONTRASTS)]
     for condition in conditions:
         if condition not in out or condition.startswith("bias") or "uncorrected" not in out[condition]["arms"]:
             continue
@@ -718,7 +718,9 @@ def _summary_lines(out, conditions):
         seeds = "/".join(str(n) for n in sorted({len(r["seeds"]) for r in arms.values()}))
         cells = [_fmt_contrast(contrasts[name][key]).replace("(p = ", "(p ") if name in contrasts else "—"
                  for name, _, _ in CONTRASTS]
-        lines.append(f"| `{condition}` | {seeds} | {_mean_ci(arms['uncorrected'][key])} | " + " | ".join(cells) + " |")
+        gap = arms["uncorrected"]["gap"]  # nats per token, mean over the uncorrected runs' steps
+        lines.append(f"| `{condition}` | {seeds} | {gap:.2g} | {_mean_ci(arms['uncorrected'][key])} | "
+                     + " | ".join(cells) + " |")
     return lines + [""]
 
 
