@@ -587,7 +587,8 @@ def sweep(opts):
 CONTRASTS = (("sc32 − uncorrected", "sc32", "uncorrected"),
              ("(sc32 + IS) − IS", "sc32_token_truncate", "token_truncate"),
              ("sc_full − sc32", "sc_full", "sc32"),
-             ("IS − uncorrected", "token_truncate", "uncorrected"))
+             ("IS − uncorrected", "token_truncate", "uncorrected"),
+             ("sc32 − IS", "sc32", "token_truncate"))  # H2
 # The primary metric first: the area under the learning curve scored under the sampler.
 METRICS = (("sampler_copy_prob_area", "area, sampler"), ("sampler_copy_prob_after", "final, sampler"),
            ("copy_prob_area", "area, trainer"), ("copy_prob_after", "final, trainer"))
