@@ -622,7 +622,8 @@ def _contrast(a, b):
 
 
 def _fmt_contrast(c):
-    return "—" if c is None else f"{c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] (p = {c['p']:.3f})"
+    p = "< 0.001" if c is not None and c["p"] < 0.001 else "= " + f"{c['p']:.3f}" if c is not None else ""
+    return "—" if c is None else f"{c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] (p {p})"
 
 
 def report(opts):
@@ -709,7 +710,7 @@ def _summary_lines(out, conditions):
     """The page's table (docs/evidence.md, study 4): per condition, the primary metric's contrasts."""
     key = METRICS[0][0]
     lines = [f"**Summary** ({METRICS[0][1]}): `uncorrected`, mean [95% t]; contrasts, Welch 95% interval "
-             "(permutation p).", "",
+             "(permutation p below).", "",
              "| condition | seeds | abs log p − log q | `uncorrected` | " + " | ".join(n for n, _, _ in CONTRASTS) + " |",
              "|---|---|---|---|" + "---|" * len(CONTRASTS)]
     for condition in conditions:
@@ -717,10 +718,12 @@ def _summary_lines(out, conditions):
             continue
         arms, contrasts = out[condition]["arms"], out[condition]["contrasts"]
         seeds = "/".join(str(n) for n in sorted({len(r["seeds"]) for r in arms.values()}))
-        cells = [_fmt_contrast(contrasts[name][key]).replace("(p = ", "(p ") if name in contrasts else "—"
-                 for name, _, _ in CONTRASTS]
+        cells = [f"{c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]" if (c := contrasts.get(name, {}).get(key))
+                 else "—" for name, _, _ in CONTRASTS]
         gap = arms["uncorrected"]["gap"]  # nats per token, mean over the uncorrected runs' steps
-        lines.append(f"| `{condition}` | {seeds} | {gap:.2g} | {_mean_ci(arms['uncorrected'][key])} | "
+        mantissa, exponent = f"{gap:.1e}".split("e")
+        gap = f"{gap:.2g}" if gap >= 1e-3 else f"{mantissa}e{int(exponent)}"
+        lines.append(f"| `{condition}` | {seeds} | {gap} | {_mean_ci(arms['uncorrected'][key])} | "
                      + " | ".join(cells) + " |")
     return lines + [""]
 
