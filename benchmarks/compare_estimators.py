@@ -44,10 +44,8 @@ import random
 import re
 import resource
 import shutil
-import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 ARMS = ("rpp", "rpp_baseline", "grpo", "grpo_noscale")
 # Second table: REINFORCE++-baseline under an induced sampler mismatch, with each correction (see `mismatch_trainer`).
@@ -86,14 +84,13 @@ def mismatch_trainer(base, correction, sigma, bias_seed=1234):
       centering rejects the sequence-level modes: one weight per response has no per-token form to center), with
       the correction's coefficients reweighted as with vLLM (docs/score_centering.md).
 
-    Every arm also runs one no-grad forward per generation batch for the mismatch metrics (``"tis"`` needs it for
-    the ratio anyway), so their step times stay comparable.
+    The capture of q and the mismatch metrics are study 4's (`mismatch_study.sampled_trainer`).
     """
     import torch
     from transformers import LogitsProcessor
 
-    from trl_rpp.sampling import SamplerTopKCapture, capturing_generate, generate_with_processor
-    from trl_rpp.score_centering import importance_weight_fn
+    from mismatch_study import fixed_bias, sampled_trainer, token_truncate, token_truncate_weight_fn
+    from trl_rpp.sampling import generate_with_processor
 
     class AddFixedBias(LogitsProcessor):
         def __init__(self):
@@ -101,62 +98,28 @@ def mismatch_trainer(base, correction, sigma, bias_seed=1234):
 
         def __call__(self, input_ids, scores):
             if self.bias is None:
-                g = torch.Generator().manual_seed(bias_seed)
-                self.bias = (torch.randn(scores.size(-1), generator=g) * sigma).to(scores.device, scores.dtype)
+                self.bias = fixed_bias(scores.size(-1), sigma, bias_seed).to(scores.device, scores.dtype)
             return scores + self.bias
 
-    class MismatchedSamplerTrainer(base):
-        _bias = AddFixedBias()
+    add_bias = AddFixedBias()
+    truncate = token_truncate(3.0)
 
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            if correction == "both":  # what RPPTrainer sets from the config when TRL's correction runs with vLLM
-                self._rpp_weight_fn = importance_weight_fn(SimpleNamespace(
-                    use_vllm=True, vllm_importance_sampling_correction=True,
-                    vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=None,
-                    vllm_importance_sampling_clip_max=3.0,
-                ))
+    def correct(batch, old, diff, mask, metrics):
+        metrics["mismatch/seq_log_ratio_mean"].append(diff.sum(-1).mean().item())
+        if correction == "tis":
+            ratio = torch.exp(diff.sum(-1, keepdim=True))  # [B, 1], TRL's sequence-level ratio
+            ratio = torch.where(ratio > 3.0, torch.zeros_like(ratio), ratio)  # sequence_mask, clip_max 3.0
+            batch["old_per_token_logps"] = old
+            batch["importance_sampling_ratio"] = ratio
+            metrics["mismatch/is_masked_fraction"].append((ratio == 0).float().mean().item())
+        elif correction == "both":
+            truncate(batch, old, diff, mask, metrics)
 
-        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
-            model = self.accelerator.unwrap_model(self.model_wrapped)
-            with generate_with_processor(model, self._bias, first=True):
-                if self.args.score_centering:  # RPPTrainer's own capture nests inside and sees the biased logits
-                    self._q_capture = None
-                    return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
-                self._q_capture = SamplerTopKCapture(1, self.temperature)
-                with capturing_generate(model, self._q_capture):
-                    return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
-
-        def _generate_and_score_completions(self, inputs):
-            batch = super()._generate_and_score_completions(inputs)
-            mask = batch["completion_mask"].bool()
-            T = batch["completion_ids"].size(1)
-            if self._q_capture is not None:
-                q_logps = self._q_capture.tensors(T)[2].to(mask.device)
-            else:
-                q_logps = batch["sampler_per_token_logps"]
-            with torch.no_grad():
-                old, _, _ = self._forward_logps(self.model, batch, batch_size=self.args.per_device_train_batch_size)
-            diff = torch.where(mask, old - q_logps, torch.zeros_like(old))  # log p_old - log q per token
-            mode = "train" if self.model.training else "eval"
-            m = self._metrics[mode]
-            m["mismatch/abs_log_ratio_mean"].append((diff.abs().sum() / mask.sum().clamp(min=1)).item())
-            m["mismatch/seq_log_ratio_mean"].append(diff.sum(-1).mean().item())
-            if correction == "tis":
-                ratio = torch.exp(diff.sum(-1, keepdim=True))  # [B, 1], TRL's sequence-level ratio
-                ratio = torch.where(ratio > 3.0, torch.zeros_like(ratio), ratio)  # sequence_mask, clip_max 3.0
-                batch["old_per_token_logps"] = old
-                batch["importance_sampling_ratio"] = ratio
-                m["mismatch/is_masked_fraction"].append((ratio == 0).float().mean().item())
-            elif correction == "both":
-                ratio = torch.exp(diff)  # [B, T], TRL's token-level ratio; 1 at padding (diff is 0 there)
-                m["mismatch/is_truncated_fraction"].append(((ratio > 3.0) & mask).sum().item() / max(mask.sum().item(), 1))
-                batch["old_per_token_logps"] = old
-                batch["importance_sampling_ratio"] = ratio.clamp(max=3.0)  # token_truncate, clip_max 3.0
-            return batch
-
-    MismatchedSamplerTrainer.__name__ = f"MismatchedSampler{correction.upper()}Trainer"
-    return MismatchedSamplerTrainer
+    return sampled_trainer(
+        base, lambda model, step: generate_with_processor(model, add_bias, first=True), correct=correct,
+        weight_fn=token_truncate_weight_fn(3.0) if correction == "both" else None,
+        name=f"MismatchedSampler{correction.upper()}Trainer",
+    )
 
 
 def perturbed_reward(correctness, format_ok, noise, bonus, seed, stash):
@@ -399,23 +362,10 @@ def sweep(conditions, jobs):
                     print(f"[sweep] {opts.out}: {arm} seed {seed}: done earlier, skipped", flush=True)
                 else:
                     todo.append((opts, arm, seed))
-    running, failed = [], []
-    while todo or running:
-        while todo and len(running) < jobs and not failed:
-            opts, arm, seed = todo.pop(0)
-            print(f"[sweep] {opts.out}: {arm} seed {seed}: running", flush=True)
-            cmd = [sys.executable, os.path.abspath(__file__), "--run", arm, "--seed", str(seed)] + passthrough(opts)
-            running.append((cmd, subprocess.Popen(cmd)))
-        if failed and not running:
-            break
-        time.sleep(0.5)
-        for item in list(running):
-            if item[1].poll() is not None:
-                running.remove(item)
-                if item[1].returncode != 0:
-                    failed.append(item[0])
-    if failed:
-        raise subprocess.CalledProcessError(1, failed[0])
+    from mismatch_study import run_jobs
+
+    run_jobs([([sys.executable, os.path.abspath(__file__), "--run", arm, "--seed", str(seed)] + passthrough(opts),
+               f"{opts.out}: {arm} seed {seed}") for opts, arm, seed in todo], jobs)
 
 
 def study_runs(opts):
@@ -449,19 +399,23 @@ def t_interval(values):
     if n < 2:
         return mean, None, None
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    t975 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}.get(n, 1.96)
+    t975 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}.get(n)
+    if t975 is None:  # the table is what the committed reports used; past 10 seeds, the exact quantile
+        from mismatch_study import t_quantile
+
+        t975 = t_quantile(0.975, n - 1)
     return mean, std, t975 * std / math.sqrt(n)
 
 
 def unpaired_interval(a, b):
     """Welch's unpaired difference ``mean(a) - mean(b)`` as (diff, standard error, 95% half-width), or None with
     fewer than 2 values on a side. Runs that share a seed diverge within a few steps, so seeds are not pairs."""
-    from mismatch_study import t_quantile, welch_interval  # benchmarks/ is on sys.path when a script runs
+    from mismatch_study import welch_interval  # benchmarks/ is on sys.path when a script runs
 
     if len(a) < 2 or len(b) < 2:
         return None
     w = welch_interval(a, b)
-    return w["diff"], (w["half"] / t_quantile(0.975, w["df"]) if w["half"] else 0.0), w["half"]
+    return w["diff"], w["se"], w["half"]
 
 
 def _load_runs(opts, arms):

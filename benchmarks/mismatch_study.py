@@ -22,9 +22,9 @@ made inside this script, never through the trainer's public API:
   of the biased sampler `q = softmax(z + b)` (tests/test_mismatch_study.py checks the gradient identity); the
   `onpolicy` arm trains that biased model directly, for comparison under the sampler.
 
-The sampler's log-probs reach the trainer by the route of study 2 (`compare_estimators.mismatch_trainer`): with
-score centering, `RPPTrainer`'s own top-k capture (a logits processor inside `generate`, here the copy's `generate`);
-without it, a top-1 capture of the sampled token's log-prob. Arms:
+The sampler's log-probs reach the trainer as in study 2 (`sampled_trainer`, shared with `compare_estimators.py`):
+with score centering, `RPPTrainer`'s own top-k capture (a logits processor inside `generate`, here the copy's
+`generate`); without it, a top-1 capture of the sampled token's log-prob. Arms:
 
 - `uncorrected`: the samples are treated as on-policy;
 - `token_truncate`: TRL's token-level importance sampling, each token's loss weighted by `min(pi_old/q, 3)` (TRL's
@@ -172,9 +172,9 @@ def _betainc(a: float, b: float, x: float) -> float:
 def welch_interval(a, b, level: float = 0.95):
     """Unpaired difference ``mean(a) - mean(b)`` with Welch's ``level`` interval.
 
-    Returns ``dict(diff, half, low, high, df, n_a, n_b)``; ``half`` is ``t_q(df) * sqrt(var_a/n_a + var_b/n_b)``
-    with sample variances (ddof 1) and the Welch-Satterthwaite ``df``. Needs 2 or more values in each group. When
-    both variances are 0 the interval is the point itself (``df`` is then reported as infinite).
+    Returns ``dict(diff, se, half, low, high, df, n_a, n_b)``: ``se = sqrt(var_a/n_a + var_b/n_b)`` with sample
+    variances (ddof 1), ``half = t_q(df) * se`` with the Welch-Satterthwaite ``df``. Needs 2 or more values in each
+    group. When both variances are 0 the interval is the point itself (``df`` is then reported as infinite).
     """
     if len(a) < 2 or len(b) < 2:
         raise ValueError(f"welch_interval: needs >= 2 values per group, got {len(a)} and {len(b)}")
@@ -188,7 +188,7 @@ def welch_interval(a, b, level: float = 0.95):
         df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
         half = t_quantile(0.5 + level / 2, df) * se
     diff = ma - mb
-    return dict(diff=diff, half=half, low=diff - half, high=diff + half, df=df, n_a=len(a), n_b=len(b))
+    return dict(diff=diff, se=se, half=half, low=diff - half, high=diff + half, df=df, n_a=len(a), n_b=len(b))
 
 
 def permutation_p_value(a, b, n_resamples: int = 20_000, seed: int = 0, exact_limit: int = 100_000) -> float:
@@ -324,34 +324,61 @@ class Sampler:
             yield
 
 
-def mismatch_trainer(base, sampler: Sampler, correction: str):
-    """`base` (RPPTrainer) whose completions come from `sampler`, with one correction (see the module docstring).
+def token_truncate(clip_max: float = IS_CLIP_MAX):
+    """A `correct` for `sampled_trainer`: TRL's ``token_truncate`` importance sampling, each valid token's loss
+    weighted by ``min(exp(log p_old - log q), clip_max)``; logs the share of valid tokens that were truncated."""
+    import torch
 
-    Every arm runs one no-grad trainer forward per generation batch for the mismatch metrics (``mismatch/*``; the
-    importance-sampling arms need it for the ratio anyway), so step times stay comparable. As in
-    `compare_estimators.mismatch_trainer` (study 2), from which this generalizes to a sampler that is another model.
+    def correct(batch, old, diff, mask, metrics):
+        ratio = torch.exp(diff)  # [B, T], TRL's token-level ratio; 1 at padding (diff is 0 there)
+        metrics["mismatch/is_truncated_fraction"].append(((ratio > clip_max) & mask).sum().item() / max(mask.sum().item(), 1))
+        batch["old_per_token_logps"] = old
+        batch["importance_sampling_ratio"] = ratio.clamp(max=clip_max)
+
+    return correct
+
+
+def token_truncate_weight_fn(clip_max: float = IS_CLIP_MAX):
+    """What `RPPTrainer` sets as ``_rpp_weight_fn`` from the config when score centering meets TRL's
+    ``token_truncate`` correction with vLLM: the correction's coefficients reweighted (docs/score_centering.md)."""
+    from trl_rpp.score_centering import importance_weight_fn
+
+    return importance_weight_fn(SimpleNamespace(
+        use_vllm=True, vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=clip_max,
+    ))
+
+
+def sampled_trainer(base, generating, correct=None, weight_fn=None, setup=None, name=None):
+    """`base` (RPPTrainer) whose completions come from a sampler that is not the trainer (studies 2 and 4).
+
+    - ``generating(model, step)``: a context manager within which ``model.generate`` samples from the sampler that
+      goes with the trainer's `model` after `step` optimizer steps;
+    - ``setup(model)``: called once with the trainer's model after the trainer is built (before its optimizer);
+    - ``correct(batch, old, diff, mask, metrics)``: an importance-sampling correction applied to the batch, from the
+      trainer's log-probs at generation ``old`` ``[B, T]`` and ``diff = log p_old - log q`` ``[B, T]`` (0 at padding);
+    - ``weight_fn``: replaces ``RPPTrainer._rpp_weight_fn`` (score centering's coefficient reweighting).
+
+    The sampler's log q per token reaches the trainer by score centering's own top-k capture (a logits processor
+    inside the sampler's ``generate``) when the config turns it on, else by a top-1 capture of the sampled token.
+    Every arm runs one no-grad trainer forward per generation batch for ``mismatch/abs_log_ratio_mean`` (the
+    corrections need it for the ratio anyway), so step times stay comparable across arms.
     """
     import torch
 
     from trl_rpp.sampling import SamplerTopKCapture, capturing_generate
-    from trl_rpp.score_centering import importance_weight_fn
 
-    truncate = correction in ("token_truncate", "sc32_token_truncate")
-
-    class MismatchedSamplerTrainer(base):
+    class SampledTrainer(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            sampler.attach(self.accelerator.unwrap_model(self.model_wrapped))
-            if correction == "sc32_token_truncate":  # what RPPTrainer sets from the config with vLLM
-                self._rpp_weight_fn = importance_weight_fn(SimpleNamespace(
-                    use_vllm=True, vllm_importance_sampling_correction=True,
-                    vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=None,
-                    vllm_importance_sampling_clip_max=IS_CLIP_MAX,
-                ))
+            if setup is not None:
+                setup(self.accelerator.unwrap_model(self.model_wrapped))
+            if weight_fn is not None:
+                self._rpp_weight_fn = weight_fn
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
             model = self.accelerator.unwrap_model(self.model_wrapped)
-            with sampler.generating(model, self.state.global_step):
+            with generating(model, self.state.global_step):
                 if self.args.score_centering:  # RPPTrainer's own capture wraps the sampler's generate
                     self._q_capture = None
                     return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
@@ -372,15 +399,22 @@ def mismatch_trainer(base, sampler: Sampler, correction: str):
             diff = torch.where(mask, old - q_logps, torch.zeros_like(old))  # log p_old - log q per token
             m = self._metrics["train" if self.model.training else "eval"]
             m["mismatch/abs_log_ratio_mean"].append((diff.abs().sum() / mask.sum().clamp(min=1)).item())
-            if truncate:
-                ratio = torch.exp(diff)  # [B, T], TRL's token-level ratio; 1 at padding (diff is 0 there)
-                m["mismatch/is_truncated_fraction"].append(((ratio > IS_CLIP_MAX) & mask).sum().item() / max(mask.sum().item(), 1))
-                batch["old_per_token_logps"] = old
-                batch["importance_sampling_ratio"] = ratio.clamp(max=IS_CLIP_MAX)  # token_truncate
+            if correct is not None:
+                correct(batch, old, diff, mask, m)
             return batch
 
-    MismatchedSamplerTrainer.__name__ = f"Mismatched{sampler.source}{correction}Trainer"
-    return MismatchedSamplerTrainer
+    SampledTrainer.__name__ = name or f"Sampled{base.__name__}"
+    return SampledTrainer
+
+
+def mismatch_trainer(base, sampler: Sampler, correction: str):
+    """`base` (RPPTrainer) whose completions come from `sampler`, with one correction (see the module docstring)."""
+    truncate = correction in ("token_truncate", "sc32_token_truncate")
+    return sampled_trainer(
+        base, sampler.generating, correct=token_truncate() if truncate else None,
+        weight_fn=token_truncate_weight_fn() if correction == "sc32_token_truncate" else None,
+        setup=sampler.attach, name=f"Mismatched{sampler.source}{correction}Trainer",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -560,12 +594,20 @@ def sweep(opts):
                     print(f"[sweep] {condition}/{arm} seed {seed}: done earlier, skipped", flush=True)
                 else:
                     todo.append((condition, arm, seed))
+    for i, (condition, arm, seed) in enumerate(todo):
+        todo[i] = ([sys.executable, os.path.abspath(__file__), "--run", condition, arm, str(seed)] + passthrough(opts),
+                   f"{condition}/{arm} seed {seed}")
+    run_jobs(todo, opts.jobs)
+
+
+def run_jobs(todo, jobs: int):
+    """Run the ``(command, label)`` of `todo` in order, `jobs` processes at a time. A failed command stops the
+    launches; once the commands in flight have ended, raises `CalledProcessError` with the first that failed."""
     running, failed = [], []
     while todo or running:
-        while todo and len(running) < opts.jobs and not failed:
-            condition, arm, seed = todo.pop(0)
-            print(f"[sweep] {condition}/{arm} seed {seed}: running ({len(todo)} left)", flush=True)
-            cmd = [sys.executable, os.path.abspath(__file__), "--run", condition, arm, str(seed)] + passthrough(opts)
+        while todo and len(running) < jobs and not failed:
+            cmd, label = todo.pop(0)
+            print(f"[sweep] {label}: running ({len(todo)} left)", flush=True)
             running.append((cmd, subprocess.Popen(cmd)))
         if failed and not running:
             break

@@ -249,6 +249,18 @@ def test_unpaired_interval_is_welch_by_hand():
     assert unpaired_interval([1.0], [0.0, 1.0]) is None
 
 
+def test_t_interval_uses_the_exact_quantile_past_its_table():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from compare_estimators import t_interval
+
+    # 20 values 0, 1, 0, 1, ...: mean 0.5, std sqrt(5/19); t(0.975, 19) = 2.0930 (not 1.96).
+    mean, std, half = t_interval([float(i % 2) for i in range(20)])
+    assert mean == 0.5 and abs(std - (5 / 19) ** 0.5) < 1e-12 and abs(half / (std / 20**0.5) - 2.0930) < 1e-4
+    # Within the table (5 values): t(0.975, 4) = 2.776.
+    mean, std, half = t_interval([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert mean == 3.0 and abs(half / (std / 5**0.5) - 2.776) < 1e-9
+
+
 @pytest.mark.slow
 def test_vllm_benchmarks_run_small(tmp_path):
     """The real-engine benchmarks at toy sizes on the tiny model (head size 64, as vLLM's CPU attention needs)."""

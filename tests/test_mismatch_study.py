@@ -72,7 +72,7 @@ def test_welch_interval_by_hand():
     se = math.sqrt(1 / 3 + 1 / 2)
     df = (5 / 6) ** 2 / ((1 / 9) / 2 + (1 / 4) / 4)
     assert w["diff"] == -4.0 and abs(w["df"] - df) < 1e-12 and abs(df - 5.88235) < 1e-5
-    assert abs(w["half"] - ms.t_quantile(0.975, df) * se) < 1e-12
+    assert abs(w["se"] - se) < 1e-12 and abs(w["half"] - ms.t_quantile(0.975, df) * se) < 1e-12
     assert 2.447 < w["half"] / se < 2.571  # between the t quantiles at 6 and 5 degrees of freedom
     assert w["low"] == w["diff"] - w["half"] and w["high"] == w["diff"] + w["half"]
     # Equal sizes and variances: df = 2 (n - 1), the pooled t interval.
@@ -291,3 +291,19 @@ def test_bias_sanity_by_hand():
     rows = ms.bias_sanity(sc_full, onpolicy)
     assert [(r["seed"], r["first_different_step"], r["steps"]) for r in rows] == [(0, 2, 3), (1, None, 2)]
     assert rows[0]["final_abs_diff"] == pytest.approx(0.05) and rows[1]["final_abs_diff"] == 0.0
+
+
+def test_run_jobs_runs_in_order_and_stops_launching_after_a_failure(tmp_path):
+    """The sweeps' job pool (study 4 and `compare_estimators.py`): every command runs; a failure stops new launches
+    and is raised with its command once the commands in flight have ended."""
+    import subprocess
+
+    def touch(name, code=0):
+        return [sys.executable, "-c", f"open({str(tmp_path / name)!r}, 'w'); raise SystemExit({code})"]
+
+    ms.run_jobs([(touch("a"), "a"), (touch("b"), "b"), (touch("c"), "c")], jobs=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
+    failing = touch("d", code=3)
+    with pytest.raises(subprocess.CalledProcessError) as err:
+        ms.run_jobs([(failing, "d"), (touch("e"), "e")], jobs=1)
+    assert err.value.cmd == failing and (tmp_path / "d").exists() and not (tmp_path / "e").exists()
