@@ -593,10 +593,8 @@ def sweep(opts):
                 if os.path.exists(os.path.join(opts.out, condition, arm, f"seed{seed}", "summary.json")):
                     print(f"[sweep] {condition}/{arm} seed {seed}: done earlier, skipped", flush=True)
                 else:
-                    todo.append((condition, arm, seed))
-    for i, (condition, arm, seed) in enumerate(todo):
-        todo[i] = ([sys.executable, os.path.abspath(__file__), "--run", condition, arm, str(seed)] + passthrough(opts),
-                   f"{condition}/{arm} seed {seed}")
+                    todo.append(([sys.executable, os.path.abspath(__file__), "--run", condition, arm, str(seed)]
+                                 + passthrough(opts), f"{condition}/{arm} seed {seed}"))
     run_jobs(todo, opts.jobs)
 
 
@@ -663,9 +661,14 @@ def _contrast(a, b):
     return dict(w, p=permutation_p_value(a, b))
 
 
+def _fmt_interval(c):
+    return "—" if c is None else f"{c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]"
+
+
 def _fmt_contrast(c):
-    p = "< 0.001" if c is not None and c["p"] < 0.001 else "= " + f"{c['p']:.3f}" if c is not None else ""
-    return "—" if c is None else f"{c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] (p {p})"
+    if c is None:
+        return "—"
+    return _fmt_interval(c) + (" (p < 0.001)" if c["p"] < 0.001 else f" (p = {c['p']:.3f})")
 
 
 def report(opts):
@@ -760,8 +763,7 @@ def _summary_lines(out, conditions):
             continue
         arms, contrasts = out[condition]["arms"], out[condition]["contrasts"]
         seeds = "/".join(str(n) for n in sorted({len(r["seeds"]) for r in arms.values()}))
-        cells = [f"{c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]" if (c := contrasts.get(name, {}).get(key))
-                 else "—" for name, _, _ in CONTRASTS]
+        cells = [_fmt_interval(contrasts.get(name, {}).get(key)) for name, _, _ in CONTRASTS]
         gap = arms["uncorrected"]["gap"]  # nats per token, mean over the uncorrected runs' steps
         mantissa, exponent = f"{gap:.1e}".split("e")
         gap = f"{gap:.2g}" if gap >= 1e-3 else f"{mantissa}e{int(exponent)}"
