@@ -13,7 +13,8 @@ resident set size, measured in a separate child process per arm (CPU has no per-
 
 With `--vllm` every arm generates with its own colocated vLLM engine (`use_vllm=True`, TRL's importance-sampling
 correction in `token_truncate` mode for all, the mode score centering accepts), so a step also includes the weight
-sync into the engine; peak memory is not measured then (each child would start another engine).
+sync into the engine, done as RPPTrainer does it on vLLM's CPU backend in every arm; peak memory is not measured then
+(each child would start another engine).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
 from trl_rpp.testing.tiny import build_tiny_model, copy_first_char_reward, copy_task_dataset  # noqa: E402
+from trl_rpp.vllm_engine import use_cpu_weight_sync  # noqa: E402
 
 ARMS = {
     "grpo_beta0.04": (GRPOTrainer, GRPOConfig, dict(beta=0.04)),
@@ -98,6 +100,12 @@ def make_trainer(arm, model_path, opts, outdir):
         train_dataset=copy_task_dataset(100000),
         callbacks=[timer],
     )
+    if opts.vllm and trainer_cls is GRPOTrainer:
+        # TRL's per-parameter sync fails on vLLM's CPU backend wherever it repacks the linear weights at load (oneDNN
+        # or AMX kernels; AttributeError: 'Parameter' object has no attribute 'weight_loader'). RPPTrainer syncs by
+        # reload there (trl_rpp.vllm_engine); the GRPO arm gets the same sync, so both are timed alike. On GPUs and
+        # where vLLM falls back to torch's linear, it changes nothing.
+        use_cpu_weight_sync(trainer.vllm_generation)
     return trainer, timer
 
 

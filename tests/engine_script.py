@@ -211,19 +211,33 @@ def rejections(outdir, model_path):
 def force_fsdp_on_cpu():
     """Test-only shim: accelerate keeps the FSDP plugin only for accelerator devices and silently runs plain DDP on
     CPU. After accelerate builds its state, turn a multi-CPU state launched with FSDP into an FSDP one, so that
-    `Accelerator.prepare` applies `fully_shard` (gloo). Checked against accelerate 1.15 only; the parent test skips
-    on other versions. Nothing in transformers, TRL or trl_rpp is changed."""
+    `Accelerator.prepare` applies `fully_shard` (gloo). Nothing in transformers, TRL or trl_rpp is changed.
+
+    It rests on accelerate internals (`AcceleratorState.__init__` taking `fsdp_plugin`, a launched CPU state being
+    `MULTI_CPU`); where they differ it raises, naming the accelerate version, instead of running DDP under an FSDP
+    name. The parent test then also checks that the policy really is sharded with `fully_shard`."""
+    import inspect
+
+    import accelerate
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     original = AcceleratorState.__init__
+    if "fsdp_plugin" not in inspect.signature(original).parameters:
+        raise RuntimeError(f"tests/engine_script.py's CPU FSDP shim needs AcceleratorState.__init__(fsdp_plugin=...), "
+                           f"which accelerate {accelerate.__version__} does not have: update the shim")
 
     def __init__(self, *args, fsdp_plugin=None, **kwargs):
         original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if self.distributed_type == DistributedType.MULTI_CPU and os.environ.get("ACCELERATE_USE_FSDP") == "true":
-            self.distributed_type = DistributedType.FSDP
-            if getattr(self, "fsdp_plugin", None) is None:
-                self.fsdp_plugin = fsdp_plugin or FullyShardedDataParallelPlugin()
+        if os.environ.get("ACCELERATE_USE_FSDP") != "true" or self.distributed_type == DistributedType.FSDP:
+            return
+        if self.distributed_type != DistributedType.MULTI_CPU:
+            raise RuntimeError(f"tests/engine_script.py's CPU FSDP shim expected accelerate {accelerate.__version__} "
+                               f"to build a MULTI_CPU state for an FSDP launch on CPU, got {self.distributed_type}: "
+                               f"update the shim")
+        self.distributed_type = DistributedType.FSDP
+        if getattr(self, "fsdp_plugin", None) is None:
+            self.fsdp_plugin = fsdp_plugin or FullyShardedDataParallelPlugin()
 
     AcceleratorState.__init__ = __init__
 

@@ -171,6 +171,11 @@ def main():
     try:
         trainer.train(resume_from_checkpoint=a.resume_from or (True if a.resume else None))
     except TrainingPreempted as stop:  # as `trl-rpp` does: status 75, "checkpoint saved, run me again"
+        # What this process saw, for the parent: under `accelerate launch` the launcher's own status and log are
+        # torch elastic's, not ours.
+        with open(os.path.join(a.output_dir, f"preempted_rank{trainer.accelerator.process_index}.json"), "w") as f:
+            json.dump(dict(signal=stop.signal_name, step=stop.step, checkpoint=stop.checkpoint,
+                           global_step=trainer.state.global_step), f)
         sys.exit(stop.exit_code)
     if trainer.accelerator.is_main_process:
         with open(os.path.join(a.output_dir, "log_history.json"), "w") as f:

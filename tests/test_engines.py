@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 through `accelerate launch` with the shipped config files, 2 CPU processes on
 gloo, compared step by step with the same runs under plain DDP (tests/engine_script.py runs the cases). FSDP2 needs a
-test-only shim on CPU (`engine_script.force_fsdp_on_cpu`), checked against accelerate 1.15 only.
+test-only shim on CPU (`engine_script.force_fsdp_on_cpu`); where accelerate's internals differ from what it needs,
+it raises, naming the accelerate version.
 
 Tolerances. The advantages are z-scores (|A| < 5): float32 resolves them to ~5e-7, the engines reduce the same
 float32 sums in a different order, and from step 2 on the weights they generate and score with differ by ~1e-8.
@@ -220,10 +221,6 @@ def test_deepspeed_equals_ddp_step_by_step(tmp_path, models, ddp_runs, engine):
 
 @pytest.mark.slow
 def test_fsdp2_equals_ddp_step_by_step(tmp_path, models, ddp_runs):
-    import accelerate
-
-    if not accelerate.__version__.startswith("1.15."):
-        pytest.skip(f"the CPU FSDP shim is checked against accelerate 1.15 only, found {accelerate.__version__}")
     runs = run_engine(tmp_path, models, "fsdp2")
     for name in CASES:
         for rank in range(2):

@@ -151,3 +151,85 @@ def test_tests_sharing_a_module_fixture_stay_on_one_worker(request, made_once_pe
         pytest.skip("runs under make test's pytest-xdist --dist loadgroup")
     assert request.node.nodeid.endswith("@test_harness:made_once_per_module"), (
         request.node.nodeid, [m.args for m in request.node.iter_markers("xdist_group")])
+
+
+# --- skips and xfails ----------------------------------------------------------------------------------------------
+# A test that skips or xfails on some versions checks nothing there: a dependency that moved must fail a test, by
+# name. The only xfail allowed is strict, for a named upstream bug, with its link.
+
+_VERSION_WORDS = ("version", "__version__", "version_info")
+
+
+def _mentions_a_version(node) -> bool:
+    for sub in ast.walk(node):
+        name = sub.id if isinstance(sub, ast.Name) else sub.attr if isinstance(sub, ast.Attribute) else None
+        if name is not None and "version" in name.lower():
+            return True
+        if isinstance(sub, ast.keyword) and sub.arg == "minversion":
+            return True
+    return False
+
+
+def _call_name(call) -> str:
+    """'pytest.mark.skipif' for `pytest.mark.skipif(...)`, '' for what is not a dotted name."""
+    parts, node = [], call.func
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
+
+
+def skip_and_xfail_problems(source: str, filename: str = "<test>") -> list[str]:
+    """Every skip or xfail in `source` that is decided by a version, and every xfail that is not strict with a link
+    to an upstream bug. A skip is decided by what it is called under: its own condition (`skipif`, `importorskip`'s
+    `minversion`) and the tests of every `if` around a `pytest.skip`."""
+    tree = ast.parse(source, filename)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    problems = []
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+        name = _call_name(call).removeprefix("pytest.")
+        if name not in ("skip", "xfail", "importorskip", "mark.skip", "mark.skipif", "mark.xfail"):
+            continue
+        where = f"{filename}:{call.lineno} {name}"
+        if name == "xfail":
+            problems.append(f"{where}: an imperative xfail is never strict; use @pytest.mark.xfail(strict=True)")
+            continue
+        if name == "mark.xfail":
+            keywords = {k.arg: k.value for k in call.keywords}
+            strict = keywords.get("strict")
+            reason = ast.unparse(keywords.get("reason", ast.Constant("")))
+            if not (isinstance(strict, ast.Constant) and strict.value is True) or "https://" not in reason:
+                problems.append(f"{where}: an xfail must be strict=True and link the upstream bug in its reason")
+        conditions = [call] if name != "skip" else []
+        node = call
+        while node in parents:
+            node = parents[node]
+            if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+                conditions.append(node.test)
+        if any(_mentions_a_version(c) for c in conditions):
+            problems.append(f"{where}: decided by a version")
+    return problems
+
+
+@pytest.mark.parametrize("source, found", [
+    ("import accelerate, pytest\nif not accelerate.__version__.startswith('1.15.'):\n    pytest.skip('old')\n", 1),
+    ("import pytest, sys\n@pytest.mark.skipif(sys.version_info < (3, 12), reason='x')\ndef test(): pass\n", 1),
+    ("import pytest\nfrom importlib.metadata import version\n"
+     "def test():\n    if version('torch') > '2':\n        for _ in range(2):\n            pytest.skip('new')\n", 1),
+    ("import pytest\npytest.importorskip('vllm', minversion='0.31')\n", 1),
+    ("import pytest\n@pytest.mark.xfail(strict=False, reason='flaky here')\ndef test(): pass\n", 1),
+    ("import pytest\n@pytest.mark.xfail(strict=True, reason='no link')\ndef test(): pass\n", 1),
+    ("import pytest\ndef test():\n    pytest.xfail('later')\n", 1),
+    # Allowed: a skip that does not depend on a version, and a strict xfail for a linked upstream bug.
+    ("import pytest, torch\ndef test():\n    if torch.cuda.is_available():\n        pytest.skip('a GPU')\n", 0),
+    ("import pytest\n@pytest.mark.xfail(strict=True, reason='https://github.com/o/r/issues/1')\ndef test(): pass\n", 0),
+])
+def test_the_skip_check_finds_what_it_must(source, found):
+    assert len(skip_and_xfail_problems(source)) == found, skip_and_xfail_problems(source)
+
+
+def test_no_test_skips_or_xfails_by_version():
+    files = sorted(HERE.rglob("*.py"))
+    assert HERE / "test_engines.py" in files and len(files) > 30
+    problems = [p for f in files for p in skip_and_xfail_problems(f.read_text(), str(f.relative_to(HERE)))]
+    assert problems == [], "\n".join(problems)

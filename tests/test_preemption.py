@@ -4,7 +4,6 @@ with status 75; resuming from that checkpoint gives the uninterrupted run's per-
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -212,8 +211,10 @@ def test_two_processes_agree_on_the_step_and_resume_exactly(tmp_path, model, ref
     """`one_rank`: only rank 1 gets SIGTERM (as when a scheduler signals one task, or one node is preempted). Rank 0
     never sees a signal, yet both finish step 5 and save the same checkpoint-5: the decision is the maximum of the
     processes' flags, taken with the loss metrics' gather. `launcher`: SIGTERM to the `accelerate launch` process
-    (as Kubernetes sends it to a container's first process); torch elastic forwards it to every worker, waits for
-    them (up to its 30 s shutdown timeout), then exits with an error status of its own."""
+    (as Kubernetes sends it to a container's first process), which forwards it to every worker. What is asserted is
+    what trl_rpp promises, from each worker's own record: every rank stopped after the same step with the same saved
+    checkpoint, and the resume is exact. The launcher's exit status and log lines are torch elastic's and change
+    between accelerate releases (1 under accelerate 1.15, 143 under 1.16), so they are not asserted."""
     out_dir = str(tmp_path / "run")
     os.makedirs(out_dir)
     proc = start("--model", model, "--output_dir", out_dir, "--wait_at", "5", *SPG, processes=2)
@@ -223,16 +224,20 @@ def test_two_processes_agree_on_the_step_and_resume_exactly(tmp_path, model, ref
         open(os.path.join(out_dir, "release"), "w").close()  # rank 0 goes on without a signal of its own
     else:
         os.kill(proc.pid, signal.SIGTERM)
-    status, out = finish(proc, workers=pids)
-    assert status == 1, out[-4000:]  # torch elastic's own status, whether it failed workers or got the signal
+    _, out = finish(proc, workers=pids)
+    checkpoint5 = os.path.join(out_dir, "checkpoint-5")
+    stops = []
+    for rank in range(2):
+        record = os.path.join(out_dir, f"preempted_rank{rank}.json")
+        assert os.path.exists(record), (rank, out[-4000:])  # the rank raised TrainingPreempted, nothing else
+        with open(record) as f:
+            stops.append(json.load(f))
+    assert stops == [dict(signal="SIGTERM", step=5, checkpoint=checkpoint5, global_step=5)] * 2, stops
     assert checkpoints(out_dir) == ["checkpoint-3", "checkpoint-5"], out[-4000:]
-    assert complete(os.path.join(out_dir, "checkpoint-5"), processes=2)
+    assert complete(checkpoint5, processes=2)
+    assert not os.path.exists(os.path.join(out_dir, "log_history.json"))  # train() returned on no rank
     assert "trl_rpp: preemption: SIGTERM received; optimizer step 5 is complete" in out, out[-4000:]
-    assert "is saved; raising TrainingPreempted" in out, out[-4000:]
-    if target == "one_rank":  # the workers exit by themselves, with 75: the launcher reports them as failed
-        assert re.search(r"exitcode\s*:\s*75", out), out[-4000:]
-    else:
-        assert "SignalException: Process" in out and "got signal: 15" in out, out[-4000:]
+    assert f"{checkpoint5} is saved; raising TrainingPreempted" in out, out[-4000:]
     resumed = resume(model, out_dir, processes=2)
     assert resumed["steps_run_here"] == [7]
     assert_same_numbers(resumed, reference_2proc)
