@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from trainer_helpers import CaptureTrainer, length_reward, make_args  # noqa: E402
+from trainer_helpers import CaptureTrainer, length_reward, make_args, returns_at_generation  # noqa: E402
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
 
 
@@ -46,7 +46,8 @@ def run_case(outdir, model_path, estimator, mode):
         train_dataset=dataset,
     )
     # "groups": REINFORCE++ returns built at generation (with an old-policy forward); "deferred": built in the loss.
-    trainer._rpp_allow_deferred_returns = mode != "groups"
+    if mode == "groups":
+        returns_at_generation(trainer)
     trainer.train()
     rank = trainer.accelerator.process_index
     assert trainer.accelerator.num_processes == 2, trainer.accelerator.num_processes

@@ -20,7 +20,6 @@ from trl_rpp.checkpoint import (
     ResumeLayout,
     buffer_needed,
     buffer_path,
-    check_resumable,
     checkpoint_problem,
     layout_of,
     load_generation_buffer,
@@ -30,6 +29,13 @@ from trl_rpp.checkpoint import (
     save_generation_buffer,
 )
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
+
+
+def refuse(folder, *layout):
+    """What `resolve_resume_checkpoint` does with a folder named to resume from: raise its problem, if any."""
+    problem = checkpoint_problem(folder, ResumeLayout(*layout))
+    if problem is not None:
+        raise problem
 
 
 def test_buffer_round_trip_is_atomic_and_keeps_every_key(tmp_path):
@@ -102,9 +108,9 @@ def test_missing_or_damaged_trainer_state_names_it(tmp_path):
         read_global_step(folder)
     open(state, "w").write(text)
     assert read_global_step(folder) == 4
-    check_resumable(folder, 0, 1, 2, 1)  # step 4 is a generation boundary for steps_per_generation=2: no buffer needed
+    refuse(folder, 0, 1, 2, 1)  # step 4 is a generation boundary for steps_per_generation=2: no buffer needed
     with pytest.raises(DamagedCheckpointError, match="is missing, but"):
-        check_resumable(folder, 0, 1, 3, 1)
+        refuse(folder, 0, 1, 3, 1)
 
 
 @pytest.mark.parametrize("how", ["named", "True"])
@@ -238,7 +244,7 @@ def test_each_torn_file_is_skipped_or_resumed(tmp_path, torn_run, name, damage):
         assert "resume_from_checkpoint=True skips it" in str(problem)
     # Named explicitly, the same checkpoint is refused with that message.
     with pytest.raises(DamagedCheckpointError) as err:
-        check_resumable(folder, 0, 1, 3, 1, required_files(0, 1))
+        refuse(folder, 0, 1, 3, 1, required_files(0, 1))
     assert str(err.value) == str(problem)
 
 

@@ -11,7 +11,7 @@ from reference import (
     ref_group_mean_advantages,
     ref_reinforce_pp_returns,
 )
-from trainer_helpers import CaptureTrainer, initial_model_logps, length_reward, make_args
+from trainer_helpers import CaptureTrainer, initial_model_logps, length_reward, make_args, returns_at_generation
 from trl_rpp import RPPTrainer
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
@@ -252,7 +252,8 @@ def test_deferred_returns_equal_generation_time_returns_and_save_a_forward(tmp_p
             model=tiny_model, reward_funcs=[copy_first_char_reward, length_reward], args=args,
             train_dataset=copy_task_dataset(64),
         )
-        trainer._rpp_allow_deferred_returns = deferred
+        if not deferred:
+            returns_at_generation(trainer)
         calls = []
         original = trainer._get_per_token_logps_and_entropies
 

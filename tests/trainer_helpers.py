@@ -54,6 +54,12 @@ class CaptureTrainer(RPPTrainer):
         return advantages, old_logps
 
 
+def returns_at_generation(trainer):
+    """Make `trainer` build REINFORCE++ returns at generation (with an old-policy forward) even where it would defer
+    them into the loss, so that a test can compare the two paths."""
+    trainer._rpp_defer_returns = lambda mode: False
+
+
 def make_args(tmp_path, estimator, **kw):
     base = dict(
         output_dir=str(tmp_path / "out"),

@@ -8,7 +8,7 @@ resuming reads that file. So:
 
 - the buffer is written *before* Trainer's files, to a temporary name and then `os.replace`d into place: a
   checkpoint whose `trainer_state.json` exists has its complete buffer (the buffer never needs repairing);
-- before resuming, `check_resumable` refuses a checkpoint whose `trainer_state.json` is missing or unreadable (the
+- before resuming, `resolve_resume_checkpoint` refuses a checkpoint whose `trainer_state.json` is missing or unreadable (the
   write was interrupted), and one that falls inside a generation batch but whose buffer is missing or unreadable,
   each time naming the file and saying what to do.
 
@@ -261,16 +261,6 @@ def checkpoint_problem(folder: str, layout: ResumeLayout) -> DamagedCheckpointEr
                 path, f"is missing{others}",
             )
     return None
-
-
-def check_resumable(folder: str, rank: int, gradient_accumulation_steps: int, steps_per_generation: int,
-                    num_iterations: int, required: tuple[tuple[str, ...], ...] = ()) -> None:
-    """Refuse, before anything is loaded, a checkpoint that cannot continue exactly (see the module docstring)."""
-    problem = checkpoint_problem(
-        folder, ResumeLayout(rank, gradient_accumulation_steps, steps_per_generation, num_iterations, required)
-    )
-    if problem is not None:
-        raise problem
 
 
 def newest_complete_checkpoint(output_dir: str, layout: ResumeLayout, gather=lambda obj: [obj]):

@@ -404,8 +404,7 @@ def train(script_args, training_args, model_args):
         print(line, file=sys.stdout if saved else sys.stderr, flush=True)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    if hasattr(trainer, "end"):
-        trainer.end()
+    trainer.accelerator.end_training()  # the trackers finished and the process group destroyed, last
     return trainer
 
 
@@ -424,10 +423,16 @@ def main(argv=None):
         script_args, training_args, model_args = parser.parse_args_and_config(argv)
     except ValueError as err:
         # A GPU recipe (bf16) cannot build its config on a machine without a GPU; a dry run still shows it, resolved
-        # with use_cpu added, and says so.
-        if not any(a.split("=")[0] == "--dry_run" for a in argv) or "bf16" not in str(err):
+        # with use_cpu added, and says so. That is the case when the same arguments build with use_cpu and ask for
+        # bf16; any other error is raised as it was.
+        if not any(a.split("=")[0] == "--dry_run" for a in argv):
             raise
-        script_args, training_args, model_args = parser.parse_args_and_config([*argv, "--use_cpu", "true"])
+        try:
+            script_args, training_args, model_args = parser.parse_args_and_config([*argv, "--use_cpu", "true"])
+        except ValueError:
+            training_args = None
+        if training_args is None or not training_args.bf16:
+            raise err
         without_gpu = True
     check_model_args(model_args)
     if script_args.dry_run:

@@ -159,9 +159,6 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             self.vllm_generation.logprobs = k  # top-k per token, plus the sampled token when outside them
         self._rpp_rewards_per_func = None
         self._rpp_capture, self._rpp_captures = None, []
-        # False forces REINFORCE++ returns to be built at generation, with an old-policy forward; both paths give
-        # the same numbers (tests/test_trainer.py compares them).
-        self._rpp_allow_deferred_returns = True
         if args.score_centering:
             check_score_centering_support(self)
             self._rpp_weight_fn = importance_weight_fn(self)  # TRL's token-level sampler correction f(ratio), or None
@@ -292,10 +289,9 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
     def _rpp_defer_returns(self, mode):
         """True when each generation batch is one micro-batch trained on right away with unchanged weights
         (`steps_per_generation == 1`, `num_iterations == 1`, or evaluation): then pi_old is the loss forward's own
-        log-probs, and REINFORCE++ computes its k1 returns there instead of in an extra forward at generation."""
-        return self._rpp_allow_deferred_returns and (
-            mode == "eval" or (self.args.steps_per_generation == 1 and self.num_iterations == 1)
-        )
+        log-probs, and REINFORCE++ computes its k1 returns there instead of in an extra forward at generation. Both
+        paths give the same numbers (tests/test_trainer.py compares them)."""
+        return mode == "eval" or (self.args.steps_per_generation == 1 and self.num_iterations == 1)
 
     def _reinforce_pp_advantages(self, mode, rewards, mask, old_logps, ref_logps, batch):
         """The REINFORCE++ advantage pipeline, at generation or deferred into the loss: k1-shaped returns ``[B, T]``
