@@ -213,7 +213,7 @@ def test_guard_accepts_numbers_in_every_form_torch_accepts_and_rejects_the_rest(
     def returns(values):
         def reward(prompts, completions, **kw):
             return values
-        return guard_reward_func(reward, "error")
+        return guard_reward_func(reward, "raise")
 
     ok = [1, 2.5, True, None, np.float32(0.25), np.int64(3), np.array(1.5), torch.tensor(0.5), torch.tensor([2.0])]
     out = returns(ok)(prompts=["a"] * len(ok), completions=["b"] * len(ok))

@@ -11,6 +11,7 @@ import difflib
 import math
 import numbers
 import textwrap
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -21,7 +22,9 @@ from .preemption import parse_preemption_signals
 ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 KL_LOSS_TYPES = ("k1", "k2")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
-REWARD_ERRORS = ("raise", "unscorable")
+REWARD_ERRORS = ("raise", "unscorable")  # the choices of reward_errors and nonfinite_rewards
+# (field, former value, value): a renamed choice, still accepted with a FutureWarning.
+_RENAMED_VALUES = (("nonfinite_rewards", "error", "raise"),)
 
 # Per-estimator defaults of the REINFORCE++ recipes (`docs/numerics.md`) for the fields left at `None`.
 # `kl_loss_coef` follows `use_kl_loss` instead (`_KL_LOSS_COEF`): 0.0 wherever the KL loss is off, so that the resolved
@@ -139,15 +142,16 @@ class RPPConfig(GRPOConfig):
     )
 
     nonfinite_rewards: str = field(
-        default="error",
+        default="raise",
         metadata={
             "help": "What to do when a reward function or reward model returns NaN or +/-Inf for a completion, or a "
             "number that is finite in Python but outside float32's range (the trainer holds rewards in float32, so "
-            '`1e39` is Inf there). `"error"` raises a `ValueError` that names the function and the row. '
+            '`1e39` is Inf there). `"raise"` raises a `ValueError` that names the function and the row (`"error"`, '
+            "the former name, is accepted with a `FutureWarning`). "
             '`"unscorable"` treats the value like `None`: the completion gets zero advantage and leaves its group\'s '
             "baseline and the normalization population. A value that is not a number (a string, a list) always "
             "raises a `ValueError` naming the function, the row and the type.",
-            "choices": ["error", "unscorable"],
+            "choices": list(REWARD_ERRORS),
         },
     )
     reward_timeout: float | None = field(
@@ -253,6 +257,11 @@ class RPPConfig(GRPOConfig):
                 setattr(self, name, value)
         if self.kl_loss_coef is None:
             self.kl_loss_coef = _KL_LOSS_COEF[bool(self.use_kl_loss)]
+        for name, old, new in _RENAMED_VALUES:
+            if getattr(self, name) == old:
+                warnings.warn(f"{name}={old!r} is deprecated and will be removed; use {name}={new!r}, the same "
+                              f"behaviour (the word reward_errors uses).", FutureWarning, stacklevel=3)
+                setattr(self, name, new)
         # Everything is checked before GRPOConfig.__post_init__ sets up devices, so a wrong config costs nothing...
         for f in dataclasses.fields(self):
             if "choices" in f.metadata and f.name in RPPConfig.__annotations__:

@@ -114,7 +114,7 @@ def _checked(name, outputs, completions, policy):
 def guard_reward_func(func, policy: str, faults: RewardFaults | None = None):
     """Wrap a callable reward function so that its rewards are checked as the trainer will hold them (float32):
     a value that is not a number raises a `ValueError` naming the function, the row and the type; NaN/Inf (also
-    after the float32 conversion) raise (policy `"error"`) or become None (`"unscorable"`).
+    after the float32 conversion) raise (policy `"raise"`) or become None (`"unscorable"`).
 
     With `faults` (the trainer's `RewardFaults`), a call that raises, runs past the time limit, or fails these checks
     returns None for each row instead of raising, and is recorded there: `RewardFaults.settled` then logs it, or
@@ -173,7 +173,7 @@ def check_module_rewards(rewards_per_func: torch.Tensor, columns, names, policy:
     bad = ~torch.isfinite(sub)
     if not bad.any():  # one host sync per generation batch, only when reward models are used
         return rewards_per_func
-    if policy == "error":
+    if policy == "raise":
         row, col = bad.nonzero()[0].tolist()
         raise ValueError(
             f"reward model {names[columns[col]]!r} returned {sub[row, col].item()} for row {row} of the gathered "
