@@ -61,8 +61,9 @@ def build_tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    with torch.random.fork_rng(devices=[]):  # seeded here, and the caller's random state left as it was
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     os.makedirs(path, exist_ok=True)

@@ -224,16 +224,17 @@ def build_tool_model(
     if threads:
         torch.set_num_threads(threads)
     try:
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-        for step in range(max_steps):
-            loss = model(input_ids=x, attention_mask=attention, labels=y).loss
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            if step % 25 == 24 and loss.item() < target_loss:
-                break
+        with torch.random.fork_rng(devices=[]):  # seeded here, and the caller's random state left as it was
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(config)
+            optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+            for step in range(max_steps):
+                loss = model(input_ids=x, attention_mask=attention, labels=y).loss
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if step % 25 == 24 and loss.item() < target_loss:
+                    break
     finally:
         torch.set_num_threads(previous_threads)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
