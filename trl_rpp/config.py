@@ -1,13 +1,15 @@
 """`RPPConfig`: `trl.GRPOConfig` plus the REINFORCE++ fields, with the REINFORCE++ recipes as defaults.
 
 Each field is documented once, in its `help` metadata (what `trl-rpp --help` prints); the class docstring is rendered
-from it in GRPOConfig's format. Each validation rule is written once, as a row of `_RULES`, and every rejection uses
-one message format (`_unsupported`)."""
+from it in GRPOConfig's format. Each validation rule is written once: a row of `_RULES` here, or a function in the
+module whose vocabulary it checks, called wherever its input appears (`preemption.parse_preemption_signals`;
+`sampling.check_exact_sampling`, for this config and again, at trainer construction, for the model's own generation
+config; `distributed` and `vllm_engine` for what only exists once the trainer is built). Every rejection uses one
+message format (`errors.unsupported`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import numbers
 import textwrap
@@ -17,6 +19,7 @@ from typing import Any, Callable, NamedTuple
 
 from trl import GRPOConfig
 
+from .errors import unsupported
 from .preemption import parse_preemption_signals
 
 ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
@@ -267,7 +270,7 @@ class RPPConfig(GRPOConfig):
             if "choices" in f.metadata and f.name in RPPConfig.__annotations__:
                 value = getattr(self, f.name)
                 if value not in f.metadata["choices"]:
-                    raise _unsupported(f.name, value, tuple(f.metadata["choices"]))
+                    raise unsupported(f.name, value, tuple(f.metadata["choices"]))
         _check(self, _RULES)
         parse_preemption_signals(self.preemption_signals)  # its rule lives with the signal names
         # TRL documents `gradient_checkpointing` (default True); transformers 5.23 renamed it `activation_checkpointing`
@@ -287,22 +290,6 @@ class RPPConfig(GRPOConfig):
                             repetition_penalty=self.repetition_penalty)  # fmt: skip
             check_exact_sampling(settings, self.temperature, where="")
             check_exact_sampling(dict(self.generation_kwargs or {}), self.temperature, where="generation_kwargs: ")
-
-
-def _suggest(value, choices) -> str:
-    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
-    return f" Did you mean {close[0]!r}?" if close else ""
-
-
-def _unsupported(name: str, value, accepted, why: str = "", under: str = "") -> ValueError:
-    """The one message of every rejection: the field and its value, the setting it conflicts with, what is accepted
-    (a field's `choices` as "accepted values are ...", with a suggestion for a near miss) and why."""
-    if isinstance(accepted, tuple):
-        accepted, why = f" values are {', '.join(map(repr, accepted))}", _suggest(value, accepted).strip()
-    else:
-        accepted = f": {accepted}"
-    under = f" with {under}" if under else ""
-    return ValueError(f"{name}={value!r} is not supported{under}; accepted{accepted}." + (f" {why}" if why else ""))
 
 
 def _real(x) -> bool:
@@ -332,7 +319,7 @@ def _equals(expected) -> Callable[[Any], bool]:
 
 class _Rule(NamedTuple):
     """`field` must satisfy `ok` whenever `when(config)` holds. The message names the field, `under` (formatted with
-    the config's fields, e.g. the estimator), `accepted` and `why` (`_unsupported`). A field like
+    the config's fields, e.g. the estimator), `accepted` and `why` (`errors.unsupported`). A field like
     `generation_kwargs['do_sample']` names one key of a dict field (absent: `_ABSENT`, always accepted)."""
 
     field: str
@@ -359,7 +346,7 @@ def _check(config, rules) -> None:
             continue
         value = _value(config, rule.field)
         if value is not _ABSENT and not rule.ok(value):
-            raise _unsupported(rule.field, value, rule.accepted, rule.why, rule.under.format_map(vars(config)))
+            raise unsupported(rule.field, value, rule.accepted, rule.why, rule.under.format_map(vars(config)))
 
 
 _EST = "advantage_estimator={advantage_estimator!r}"  # the setting most rules depend on, named in their messages

@@ -11,6 +11,8 @@ rejected here, the one place that decides the group, before any training step.
 
 from __future__ import annotations
 
+from .errors import unsupported
+
 # accelerate `ParallelismConfig` attribute -> what it splits, for the error message.
 _NON_DATA_DIMENSIONS = {
     "tp_size": "tensor parallelism: the processes of one tensor-parallel group hold the same samples",
@@ -33,9 +35,9 @@ def check_normalization_group(parallelism_config) -> None:
     for name, what in _NON_DATA_DIMENSIONS.items():
         size = getattr(parallelism_config, name, None) or 1
         if size > 1:
-            raise ValueError(
-                f"parallelism_config.{name}={size} is not supported by RPPTrainer; accepted: 1. Under {what}, "
-                "while the advantage normalization counts every valid token of every process once (it reduces over "
-                "all processes). Scale out with data parallelism instead (DDP, DeepSpeed ZeRO-1/2/3, or FSDP/HSDP "
-                "through dp_shard_size/dp_replicate_size); see docs/distributed.md."
+            raise unsupported(
+                f"parallelism_config.{name}", size, "1", by="RPPTrainer",
+                why=f"Under {what}, while the advantage normalization counts every valid token of every process once "
+                "(it reduces over all processes). Scale out with data parallelism instead (DDP, DeepSpeed ZeRO-1/2/3, "
+                "or FSDP/HSDP through dp_shard_size/dp_replicate_size); see docs/distributed.md.",
             )

@@ -45,6 +45,8 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .errors import unsupported
+
 logger = logging.getLogger(__name__)
 
 # EX_TEMPFAIL of sysexits.h, "temporary failure, the user is invited to retry": not 0 (the run is not finished, so a
@@ -62,10 +64,9 @@ def parse_preemption_signals(value) -> tuple[str, ...]:
     if names == [""]:
         return ()
     if names is None or any(n not in PREEMPTION_SIGNALS for n in names) or len(set(names)) != len(names):
-        raise ValueError(
-            f"preemption_signals={value!r} is not supported; accepted: a comma-separated list of distinct names among "
-            f"{', '.join(repr(n) for n in PREEMPTION_SIGNALS)} (e.g. 'SIGTERM,SIGUSR1'), or '' to leave signals alone."
-        )
+        raise unsupported("preemption_signals", value, "a comma-separated list of distinct names among "
+                          f"{', '.join(repr(n) for n in PREEMPTION_SIGNALS)} (e.g. 'SIGTERM,SIGUSR1'), or '' to leave "
+                          "signals alone")
     return tuple(names)
 
 

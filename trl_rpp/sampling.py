@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from .errors import unsupported
+
 # Generation settings that change q away from softmax(logits / temperature), with their neutral values.
 NEUTRAL_SAMPLING = {
     "top_p": (None, 1.0),
@@ -58,10 +60,10 @@ def check_exact_sampling(settings: dict, temperature: float, where: str) -> None
     for name, neutral in NEUTRAL_SAMPLING.items():
         if name in settings and settings[name] not in neutral:
             accepted = " or ".join(repr(v) for v in neutral)
-            raise ValueError(
-                f"{where}{name}={settings[name]!r} is not supported with score_centering=True; accepted: {accepted}. "
-                "Score centering assumes the sampler draws from the full-vocabulary softmax at the sampling "
-                "temperature, and this setting changes that distribution."
+            raise unsupported(
+                f"{where}{name}", settings[name], accepted, under="score_centering=True",
+                why="Score centering assumes the sampler draws from the full-vocabulary softmax at the sampling "
+                "temperature, and this setting changes that distribution.",
             )
     if settings.get("temperature", temperature) != temperature:
         raise ValueError(

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from .errors import unsupported
+
 
 @contextmanager
 def vllm_engine_args(max_logprobs: int, dtype: str = "auto"):
@@ -65,8 +67,6 @@ def use_cpu_weight_sync(vllm_generation) -> None:
     if vllm_generation.mode != "colocate" or not engine_on_cpu():
         return
     if vllm_generation.enable_sleep_mode:
-        raise ValueError(
-            "vllm_enable_sleep_mode=True is not supported with a colocated vLLM engine on CPU; accepted: False. "
-            "Sleep mode frees GPU memory between generations; vLLM's CPU backend has none to free."
-        )
+        raise unsupported("vllm_enable_sleep_mode", True, "False", under="a colocated vLLM engine on CPU",
+                          why="Sleep mode frees GPU memory between generations; vLLM's CPU backend has none to free.")
     vllm_generation.sync_weights = lambda: sync_weights_by_reload(vllm_generation)
