@@ -1,7 +1,9 @@
 """The generation buffer in a checkpoint (`trl_rpp.checkpoint`): atomic write, and errors that name the damaged file;
 what a complete checkpoint is, file by file, and `resume_from_checkpoint=True` skipping a torn one. The real kills at
-each point of a checkpoint's write are in tests/test_resume.py."""
+each point of a checkpoint's write are in tests/test_resume.py; a write that fails (a full disk, an I/O error) at each
+point is here."""
 
+import errno
 import json
 import logging
 import os
@@ -12,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 
+from checkpoint_faults import install_kill
 from trainer_helpers import make_args
 from trl_rpp import RPPTrainer
 from trl_rpp.checkpoint import (
     WEIGHT_FILES,
+    CheckpointSaveError,
     DamagedCheckpointError,
     ResumeLayout,
     buffer_needed,
@@ -308,3 +312,53 @@ def test_resuming_inside_a_generation_batch_reads_the_buffer_once(tmp_path, tiny
     trainer.train(resume_from_checkpoint=True)
     assert trainer.state.global_step == 5
     assert loads.count("rpp_generation_buffer_rank0.pt") == 1, loads
+
+
+# A save that fails: a full disk (ENOSPC) or an I/O error (EIO) at each point of checkpoint-4's write, in process.
+FAIL_POINTS = ["buffer_start", "buffer_half", "model_start", "rng_start", "state_half", "rotate_start"]
+FAILURES = [(point, code) for point in FAIL_POINTS for code in (errno.ENOSPC, errno.EIO)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point,code", FAILURES, ids=[f"{p}-{errno.errorcode[c]}" for p, c in FAILURES])
+def test_a_failed_save_names_the_folder_and_the_cause_and_keeps_the_previous_checkpoint(
+        tmp_path, tiny_model, torn_run, monkeypatch, point, code):
+    """The write of checkpoint-4 (inside a generation batch: its buffer is saved too) raises OSError at `point`. The
+    run stops with a CheckpointSaveError naming the folder, the cause and the checkpoint a resume takes; checkpoint-2
+    is still complete, and resume_from_checkpoint=True never takes the torn folder for complete: it resumes from
+    checkpoint-2 (or from checkpoint-4 where only the rotation after it failed) with the uninterrupted run's numbers."""
+    run_dir, reference = torn_run
+    args = make_args(tmp_path, "reinforce_plus_plus", **TORN_KW)
+    trainer = RPPTrainer(model=tiny_model, reward_funcs=copy_first_char_reward, args=args,
+                         train_dataset=copy_task_dataset(64))
+    full = os.path.join(args.output_dir, "full-disk-marker")
+
+    def fail():
+        raise OSError(code, os.strerror(code), full)
+
+    install_kill(point, 4, trainer, action=fail, patch=monkeypatch.setattr)
+    checkpoint2, checkpoint4 = (os.path.join(args.output_dir, f"checkpoint-{s}") for s in (2, 4))
+    with pytest.raises(CheckpointSaveError) as err:
+        trainer.train()
+    complete_already = point == "rotate_start"
+    resumed_from = checkpoint4 if complete_already else checkpoint2
+    assert isinstance(err.value.__cause__, OSError) and err.value.errno == code and err.value.filename == full
+    assert str(err.value).startswith(
+        f"Saving the checkpoint {checkpoint4} failed ({errno.errorcode[code]}: {os.strerror(code)} on {full}). "), err
+    said = (f"{checkpoint4} itself is complete: resume_from_checkpoint=True resumes from it" if complete_already else
+            f"{checkpoint4} is incomplete: resume_from_checkpoint=True skips it and resumes from {checkpoint2}")
+    assert said in str(err.value) and err.value.previous == resumed_from, err
+    assert trainer.state.global_step == 4 and not os.path.exists(os.path.join(args.output_dir, "checkpoint-6"))
+    layout = ResumeLayout(0, 1, 3, 1, required_files(0, 1))
+    assert checkpoint_problem(checkpoint2, layout) is None
+    assert (checkpoint_problem(checkpoint4, layout) is None) == complete_already
+    monkeypatch.undo()  # the disk has room again
+    again = RPPTrainer(model=tiny_model, reward_funcs=copy_first_char_reward,
+                       args=make_args(tmp_path, "reinforce_plus_plus", **TORN_KW), train_dataset=copy_task_dataset(64))
+    again.train(resume_from_checkpoint=True)
+    steps = {h["step"]: h for h in again.state.log_history if "loss" in h}
+    expected = {h["step"]: h for h in reference if "loss" in h}
+    assert sorted(steps) == list(range(1, 7))
+    for step in steps:
+        assert steps[step]["loss"] == expected[step]["loss"], (step, steps[step], expected[step])
+    assert all(checkpoint_problem(os.path.join(args.output_dir, f"checkpoint-{s}"), layout) is None for s in (2, 4, 6))

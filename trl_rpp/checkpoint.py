@@ -23,6 +23,7 @@ transformers, which fails loudly on a damaged one when it loads it. `newest_comp
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -52,6 +53,32 @@ class DamagedCheckpointError(RuntimeError):
     def __init__(self, message: str, path: str | None = None, reason: str | None = None):
         super().__init__(message)
         self.path, self.reason = path, reason
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint's write failed (a full disk, an I/O error): the message names the folder, the cause and the
+    checkpoint a resume would start from. `errno` and `filename` are the cause's `OSError`'s, which is chained."""
+
+    def __init__(self, folder: str, cause: OSError, previous: str | None):
+        what = cause.strerror or str(cause)
+        code = f"{errno.errorcode.get(cause.errno, cause.errno)}: " if cause.errno is not None else ""
+        on = f" on {cause.filename}" if cause.filename else ""
+        if previous == folder:  # the failure came after its last file (deleting older checkpoints)
+            state = f"{folder} itself is complete: resume_from_checkpoint=True resumes from it"
+        elif previous:
+            state = f"{folder} is incomplete: resume_from_checkpoint=True skips it and resumes from {previous}"
+        else:
+            state = f"{folder} is incomplete and no complete checkpoint precedes it: a resume starts from the beginning"
+        super().__init__(f"Saving the checkpoint {folder} failed ({code}{what}{on}). {state}. Free space or fix the "
+                         "storage, then resume.")
+        self.errno, self.filename, self.folder, self.previous = cause.errno, cause.filename, folder, previous
+
+
+def save_error(folder: str, cause: OSError, output_dir: str, layout: ResumeLayout) -> CheckpointSaveError:
+    """The `CheckpointSaveError` for a failed write of `folder`, naming the newest complete checkpoint of
+    `output_dir` as this process sees it (no other process is asked: they may be past the save, or waiting in it)."""
+    previous, _ = newest_complete_checkpoint(output_dir, layout) if os.path.isdir(output_dir) else (None, [])
+    return CheckpointSaveError(folder, cause, previous)
 
 
 def buffer_path(folder: str, rank: int) -> str:

@@ -20,7 +20,8 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
     _compute_loss                      `_policy_forward`, `_loss_advantages`, `_policy_loss`, `_kl_loss`, metrics
                                        (whose gather carries the preemption flag)
     _get_grad_norm                     per optimizer step, by `GradGuardMixin`: a NaN/Inf norm skips it (grad_guard)
-    _save_checkpoint                   the buffered generation batch (self._buffered_inputs) first, then GRPO's
+    _save_checkpoint                   the buffered generation batch (self._buffered_inputs) first, then GRPO's; a
+                                       failed write (OSError) is raised as a CheckpointSaveError naming the folder
     create_model_card                  after training, on demand: `trl_rpp.model_card` instead of TRL's card text
 
 Batch keys written at generation and read by `_compute_loss` (``B`` local rows, ``T`` completion positions):
@@ -43,7 +44,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from .checkpoint import buffer_needed, load_generation_buffer, resolve_resume_checkpoint, save_generation_buffer
+from .checkpoint import buffer_needed, layout_of, load_generation_buffer, resolve_resume_checkpoint
+from .checkpoint import save_error, save_generation_buffer
 from .config import RPPConfig
 from .core import global_masked_normalize, group_centered_rewards, kl_k1, masked_response_mean, reinforce_pp_returns
 from .core import response_mean_k2_loss, response_mean_ppo_loss
@@ -183,16 +185,19 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
+        output_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         needed = buffer_needed(self.state.global_step, self.args.gradient_accumulation_steps,
                                self.args.steps_per_generation, self.num_iterations)
-        if self._buffered_inputs is not None and needed:
-            # Before Trainer's files, so that a checkpoint with a trainer_state.json always has its buffer. At a
-            # generation boundary the resumed run samples a new batch, so the buffer is not saved there.
-            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            folder = os.path.join(self._get_output_dir(trial=trial), name)
-            save_generation_buffer(folder, self.accelerator.process_index, self._step, self._buffered_inputs)
-            self.accelerator.wait_for_everyone()  # every rank's buffer lands before rank 0 writes trainer_state.json
-        super()._save_checkpoint(model, trial)
+        try:
+            if self._buffered_inputs is not None and needed:
+                # Before Trainer's files, so that a checkpoint with a trainer_state.json always has its buffer. At a
+                # generation boundary the resumed run samples a new batch, so the buffer is not saved there.
+                save_generation_buffer(folder, self.accelerator.process_index, self._step, self._buffered_inputs)
+                self.accelerator.wait_for_everyone()  # every buffer lands before rank 0 writes trainer_state.json
+            super()._save_checkpoint(model, trial)
+        except OSError as err:  # a full disk, an I/O error: name the folder and the checkpoint a resume would take
+            raise save_error(folder, err, output_dir, layout_of(self)) from err
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
