@@ -8,9 +8,11 @@ resuming reads that file. So:
 
 - the buffer is written *before* Trainer's files, to a temporary name and then `os.replace`d into place: a
   checkpoint whose `trainer_state.json` exists has its complete buffer (the buffer never needs repairing);
-- before resuming, `resolve_resume_checkpoint` refuses a checkpoint whose `trainer_state.json` is missing or unreadable (the
-  write was interrupted), and one that falls inside a generation batch but whose buffer is missing or unreadable,
-  each time naming the file and saying what to do.
+- before resuming, `resolve_resume_checkpoint` refuses a checkpoint whose `trainer_state.json` is missing or
+  unreadable (the write was interrupted), and one that falls inside a generation batch but whose buffer is missing or
+  unreadable, each time naming the file and saying what to do;
+- a write that fails (a full disk, an I/O error) raises `CheckpointSaveError`, naming the folder, the cause and the
+  checkpoint a resume would take.
 
 A checkpoint is *complete* (`checkpoint_problem` returns None) when, in this order: `trainer_state.json` reads (Trainer
 writes it last, so a kill during a save leaves none); the generation buffer exists and its zip directory reads, where
