@@ -1,6 +1,7 @@
 """RPPConfig: the REINFORCE++ recipes as defaults, every rejection by message, and docs that agree with the fields."""
 
 import dataclasses
+import importlib.util
 import re
 
 import pytest
@@ -183,3 +184,51 @@ def test_one_word_per_choice_with_the_former_word_accepted_and_warned():
     with pytest.raises(ValueError, match=r"^nonfinite_rewards='errors' is not supported; accepted values are 'raise', "
                                          r"'unscorable'\."):
         RPPConfig(**CPU, nonfinite_rewards="errors")
+
+
+# --- exact sampling: every generation field is classified ---------------------------------------------------------
+
+
+def test_every_generation_config_field_is_classified():
+    """Each field of the installed transformers' `GenerationConfig` either changes the sampler's distribution (then
+    score centering accepts only its neutral values, `NEUTRAL_SAMPLING`), or never does (`INERT_GENERATION`), or is
+    the temperature. A field a new transformers adds fails here until it is classified; each default is neutral."""
+    from transformers import GenerationConfig
+
+    from trl_rpp.sampling import INERT_GENERATION, NEUTRAL_SAMPLING
+
+    defaults = GenerationConfig().to_dict()
+    assert not set(NEUTRAL_SAMPLING) & INERT_GENERATION
+    assert sorted(set(defaults) - set(NEUTRAL_SAMPLING) - INERT_GENERATION - {"temperature"}) == []
+    # do_sample's default is greedy decoding; TRL passes do_sample=True to every generate call.
+    assert [k for k, v in NEUTRAL_SAMPLING.items() if k in defaults and defaults[k] not in v] == ["do_sample"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make test-min)")
+def test_every_vllm_sampling_params_field_is_classified():
+    """The same for vLLM's `SamplingParams`, in its own names (`NEUTRAL_VLLM_SAMPLING`, `INERT_VLLM_SAMPLING`)."""
+    from vllm import SamplingParams
+
+    from trl_rpp.sampling import INERT_VLLM_SAMPLING, NEUTRAL_VLLM_SAMPLING
+
+    fields = set(SamplingParams.__struct_fields__)
+    assert not set(NEUTRAL_VLLM_SAMPLING) & INERT_VLLM_SAMPLING
+    assert sorted(fields - set(NEUTRAL_VLLM_SAMPLING) - INERT_VLLM_SAMPLING - {"temperature"}) == []
+    default = SamplingParams()
+    assert [k for k, v in NEUTRAL_VLLM_SAMPLING.items() if getattr(default, k) not in v] == []
+
+
+@pytest.mark.parametrize("use_vllm, kwargs", [
+    (False, {"dola_layers": "high"}), (False, {"penalty_alpha": 0.6}), (False, {"token_healing": True}),
+    (True, {"presence_penalty": 0.5}), (True, {"logit_bias": {3: 1.0}}), (True, {"top_k": 5}),
+])
+def test_score_centering_rejects_a_distribution_changing_generation_kwarg_in_its_engines_names(use_vllm, kwargs):
+    [(name, value)] = kwargs.items()
+    with pytest.raises(ValueError, match=rf"^generation_kwargs: {name}={re.escape(repr(value))} is not supported with "
+                                         r"score_centering=True; accepted: "):
+        RPPConfig(**CPU, score_centering=True, use_vllm=use_vllm, generation_kwargs=kwargs,
+                  **(dict(vllm_importance_sampling_mode="token_truncate") if use_vllm else {}))
+    # Inert settings pass: a stop string, and the number of tokens.
+    inert = {"max_tokens": 8} if use_vllm else {"stop_strings": ["\n"]}
+    RPPConfig(**CPU, score_centering=True, use_vllm=use_vllm, generation_kwargs=inert,
+              **(dict(vllm_importance_sampling_mode="token_truncate") if use_vllm else {}))

@@ -284,12 +284,14 @@ class RPPConfig(GRPOConfig):
         # ... except what GRPOConfig parses from the command line first (`generation_kwargs`).
         _check(self, _RULES_AFTER_PARSING)
         if self.score_centering:
-            from .sampling import check_exact_sampling
+            from .sampling import NEUTRAL_VLLM_SAMPLING, check_exact_sampling
 
             settings = dict(top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                             repetition_penalty=self.repetition_penalty)  # fmt: skip
             check_exact_sampling(settings, self.temperature, where="")
-            check_exact_sampling(dict(self.generation_kwargs or {}), self.temperature, where="generation_kwargs: ")
+            # generation_kwargs go to vLLM's SamplingParams with use_vllm, else to transformers' GenerationConfig.
+            check_exact_sampling(dict(self.generation_kwargs or {}), self.temperature, where="generation_kwargs: ",
+                                 neutral_values=NEUTRAL_VLLM_SAMPLING if self.use_vllm else None)
 
 
 def _real(x) -> bool:

@@ -52,12 +52,65 @@ NEUTRAL_SAMPLING = {
     "num_beams": (None, 1),
     "diversity_penalty": (None, 0.0),
     "do_sample": (True,),
+    # Decoding methods other than sampling from the processed logits, and assisted (speculative) generation.
+    "num_beam_groups": (None, 1),
+    "penalty_alpha": (None,),
+    "dola_layers": (None,),
+    "constraints": (None,),
+    "token_healing": (None, False),
+    "prompt_lookup_num_tokens": (None,),
+    "assistant_early_exit": (None,),
+    "use_mtp": (None, False),
+    "speculation_type": (None,),
 }
 
+# transformers `GenerationConfig` fields that never change the distribution a token is drawn from: lengths, stopping,
+# token ids, what is returned, caches and compilation, and settings read only by beam search or assisted generation,
+# which `num_beams`, `prompt_lookup_num_tokens` and `assistant_early_exit` above keep off (TRL passes no assistant).
+# Every field of the installed `GenerationConfig` is here or in NEUTRAL_SAMPLING, or is `temperature`
+# (tests/test_score_centering_trainer.py): a field a new transformers adds fails that test until it is classified.
+INERT_GENERATION = frozenset({
+    "max_length", "max_new_tokens", "max_time", "stop_strings", "early_stopping", "length_penalty",
+    "num_return_sequences", "bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id",
+    "output_attentions", "output_hidden_states", "output_logits", "output_scores", "return_dict_in_generate",
+    "use_cache", "cache_implementation", "cache_config", "max_cache_len", "compile_config", "disable_compile",
+    "low_memory", "prefill_chunk_size", "continuous_batching_config", "remove_invalid_values",
+    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind",
+    "target_lookbehind", "max_matching_ngram_size", "assistant_ensemble_weight", "is_assistant",
+    "transformers_version", "_from_model_config",
+})
 
-def check_exact_sampling(settings: dict, temperature: float, where: str) -> None:
-    """Raise `ValueError` when a generation setting makes q differ from ``softmax(logits / temperature)``."""
-    for name, neutral in NEUTRAL_SAMPLING.items():
+# The same for vLLM's `SamplingParams`, in its own names (what `generation_kwargs` holds when `use_vllm=True`).
+NEUTRAL_VLLM_SAMPLING = {
+    "top_p": (None, 1.0),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0.0),
+    "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0),
+    "repetition_penalty": (None, 1.0),
+    "min_tokens": (None, 0),
+    "logit_bias": (None, {}),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "_bad_words_token_ids": (None, []),
+    "structured_outputs": (None,),
+    "thinking_token_budget": (None,),
+    "extra_args": (None,),  # read by custom samplers and plugins
+}
+# `watermarking` applies only a watermark configured on the engine, which the trainer's colocated engine never has.
+INERT_VLLM_SAMPLING = frozenset({
+    "n", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "logprobs", "prompt_logprobs",
+    "logprob_token_ids", "flat_logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+    "include_stop_str_in_output", "output_kind", "stream_interval", "skip_clone", "output_text_buffer_length",
+    "_eos_token_id", "_all_stop_token_ids", "skip_reading_prefix_cache", "repetition_detection",
+    "routed_experts_prompt_start", "trace_decode_token_ids", "watermarking",
+})
+
+
+def check_exact_sampling(settings: dict, temperature: float, where: str, neutral_values=None) -> None:
+    """Raise `ValueError` when a generation setting makes q differ from ``softmax(logits / temperature)``.
+    `neutral_values`: `NEUTRAL_SAMPLING` (transformers' names, the default) or `NEUTRAL_VLLM_SAMPLING`."""
+    for name, neutral in (NEUTRAL_SAMPLING if neutral_values is None else neutral_values).items():
         if name in settings and settings[name] not in neutral:
             accepted = " or ".join(repr(v) for v in neutral)
             raise unsupported(
