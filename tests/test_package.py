@@ -247,3 +247,25 @@ def test_vllm_engine_args_reach_the_engine_trl_builds(monkeypatch):
         vllm_generation.LLM(model="m")
     assert received == [dict(model="m", max_logprobs=33, dtype="float32"), dict(model="m")]
     assert vllm_generation.LLM is recorder  # put back
+
+
+# The batch keys GRPOTrainer writes at generation and trl_rpp/trainer.py reads in its loss (`inputs.get(...)` there:
+# a key that TRL renamed would silently read None, and the sampler correction would be dropped).
+GRPO_BATCH_KEYS_READ = ("importance_sampling_ratio",)
+
+
+@pytest.mark.parametrize("key", GRPO_BATCH_KEYS_READ)
+def test_batch_keys_the_loss_reads_are_written_by_grpo(key):
+    import trl
+    from trl import GRPOTrainer
+
+    body = _own_nodes(_function_node(GRPOTrainer._generate_and_score_completions))
+    written = [ast.unparse(n.targets[0].slice) for n in body if isinstance(n, ast.Assign)
+               and isinstance(n.targets[0], ast.Subscript) and ast.unparse(n.targets[0].value) == "output"]
+    assert repr(key) in written, (
+        f"trl {trl.__version__}: GRPOTrainer._generate_and_score_completions no longer writes output[{key!r}], which "
+        f"trl_rpp/trainer.py reads in its loss (it writes {sorted(set(written))})."
+    )
+    from trl_rpp.trainer import RPPTrainer
+
+    assert f'inputs.get("{key}")' in inspect.getsource(RPPTrainer._policy_loss)  # the reader this guards
