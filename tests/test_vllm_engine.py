@@ -238,6 +238,26 @@ def test_score_centering_with_token_mask_on_the_engine(single):
     ratios = [r for b in run["batches"] for row, m in zip(b["importance_sampling_ratio"], b["completion_mask"])
               for r, v in zip(row, m) if v]
     assert 0.0 in ratios and any(r != 0.0 for r in ratios)  # token_mask zeroed some tokens' weights, not all
+    # The weight f that score centering puts into its coefficients (`importance_weight_fn`) is TRL's own: applied to
+    # each token's ratio exp(pi_old - q), it gives the importance_sampling_ratio TRL's code wrote, token by token.
+    from types import SimpleNamespace
+
+    from trl_rpp.score_centering import importance_weight_fn
+
+    facts = run["facts"]
+    f = importance_weight_fn(SimpleNamespace(
+        use_vllm=True, vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=facts["mode"],
+        vllm_importance_sampling_clip_min=facts["clip_min"], vllm_importance_sampling_clip_max=facts["clip_max"]))
+    compared = 0
+    for batch, sampler in zip(run["batches"], run["sampler_calls"], strict=True):
+        mask = torch.tensor(batch["completion_mask"], dtype=torch.float32)
+        sampled = torch.tensor([row + [0.0] * (mask.size(1) - len(row)) for row in sampler], dtype=torch.float32)
+        ratio = torch.exp((torch.tensor(batch["old_per_token_logps"], dtype=torch.float32) - sampled) * mask)
+        got = torch.tensor(batch["importance_sampling_ratio"], dtype=torch.float32)
+        valid = mask.bool()
+        torch.testing.assert_close(f(ratio)[valid], got[valid], rtol=1e-6, atol=0.0)
+        compared += int(valid.sum())
+    assert compared == len(ratios)
 
 
 # --- Two processes, one engine each ------------------------------------------------------------------------------
