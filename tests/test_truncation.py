@@ -99,3 +99,85 @@ def test_gradient_flows_to_the_kept_logits_only():
     assert grad[[0, 2, 3, 5]].abs().sum() == 0 and grad[[1, 4]].abs().sum() > 0
     q = torch.softmax(logits.detach()[0, 0, [1, 4]], -1)  # d/dz of z_4 - lse(z_1, z_4) = e_4 - q
     torch.testing.assert_close(grad[[1, 4]], torch.tensor([0.0, 1.0]) - q)
+
+
+# --- the support a real `generate` kept ---------------------------------------------------------------------------
+
+
+def kept_bounds(probs, top_k=None, top_p=None, min_p=None, slack=1e-4):
+    """(surely kept, possibly kept) id sets of one position, from the definitions, in float64, each stage on what the
+    one before kept, renormalized (transformers' order: top-k, top-p, min-p): top-k keeps the k most probable ids;
+    top-p the shortest most-probable prefix holding at least top_p of the mass; min-p the ids with p >= min_p * max p.
+    `slack` tightens (sure) or loosens (possibly) the top-p and min-p thresholds, so that float32 rounding at a
+    boundary cannot flip this check's verdict."""
+
+    def keep(direction):
+        ids = sorted(range(len(probs)), key=lambda v: -probs[v])
+        if top_k:
+            ids = ids[:top_k]
+        if top_p:
+            mass, bound = math.fsum(probs[v] for v in ids), min(top_p * (1 + direction * slack), 1.0)
+            total, prefix = 0.0, []
+            for v in ids:
+                prefix.append(v)
+                total += probs[v] / mass
+                if total >= bound:
+                    break
+            ids = prefix
+        if min_p:
+            top = max(probs[v] for v in ids)
+            ids = [v for v in ids if probs[v] >= min_p * top * (1 - direction * slack)]
+        return set(ids)
+
+    return keep(-1), keep(+1)
+
+
+@pytest.mark.parametrize("settings", [dict(top_k=5), dict(top_k=40, top_p=0.8), dict(top_k=40, min_p=0.1),
+                                      dict(top_k=12, top_p=0.9, min_p=0.05, temperature=0.7)],
+                         ids=["top_k", "top_p", "min_p", "combined"])
+def test_the_capture_holds_what_generate_kept(tiny_model, settings):
+    """A real `generate` with the capture last: at each generated position the recorded ids are the set the
+    definitions keep from a separate forward pass's logits (up to float32 rounding at a boundary), and hold the
+    sampled token."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_rpp.truncation import SamplerSupportCapture, last_in_generate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    temperature = settings.get("temperature", 1.0)
+    torch.manual_seed(0)
+    prompt = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    capture = SamplerSupportCapture(bound=40)
+    with last_in_generate(model, capture):
+        out = model.generate(input_ids=prompt, max_new_tokens=6, do_sample=True, pad_token_id=0, eos_token_id=None,
+                             **{"top_k": 0, **settings, "temperature": temperature})
+    assert "_get_logits_processor" not in model.__dict__  # restored
+    new = out[:, prompt.size(1):]
+    support = capture.tensors(new.size(1))
+    assert support.shape == (2, new.size(1), 40)
+    with torch.no_grad():
+        logits = model(out).logits[:, prompt.size(1) - 1 : -1].double() / temperature
+    probs = torch.softmax(logits, -1)
+    mask = torch.ones_like(new, dtype=torch.bool)
+    assert bool(token_in_support(new, support, mask).all())
+    knobs = {k: settings.get(k) for k in ("top_k", "top_p", "min_p")}
+    for b in range(new.size(0)):
+        for t in range(new.size(1)):
+            kept = {v for v in support[b, t].tolist() if v != ABSENT}
+            sure, maybe = kept_bounds(probs[b, t].tolist(), **knobs)
+            assert sure <= kept <= maybe, (b, t, sorted(kept), sorted(sure), sorted(maybe))
+            assert 1 <= len(kept) < probs.size(-1)  # each setting truncated something here
+
+
+def test_a_kept_set_larger_than_the_bound_is_refused_naming_it(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from trl_rpp.truncation import SamplerSupportCapture, last_in_generate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    capture = SamplerSupportCapture(bound=3)
+    with last_in_generate(model, capture):
+        model.generate(input_ids=torch.tensor([[3, 4]]), max_new_tokens=2, do_sample=True, top_k=10, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"^the sampler kept 10 tokens at one step, more than the support bound 3; "
+                                         r"set top_k <= 3"):
+        capture.tensors(2)

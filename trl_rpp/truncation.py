@@ -62,3 +62,68 @@ def token_in_support(token_ids: torch.Tensor, support_ids: torch.Tensor, mask: t
     outside its recorded support means the capture does not describe the sampler."""
     inside = (support_ids == token_ids.unsqueeze(-1)).any(-1)
     return inside | ~mask.bool()
+
+
+class SamplerSupportCapture:
+    """A logits processor that records, at every generation step, the ids the sampler kept: the finite scores after
+    every warper (`top_k`, `top_p`, `min_p`, `typical_p`, epsilon and eta cutoffs), as `[B, K]` rows padded with
+    `ABSENT`, `K = bound`. It must run last (`last_in_generate`): transformers applies its warpers after the custom
+    logits processors a caller passes. Returns the scores unchanged.
+
+    Memory is `O(B * T * bound)`; a step that kept more than `bound` ids fails `tensors`, naming the bound (a
+    `top_p` or `min_p` without a `top_k` can keep most of the vocabulary)."""
+
+    def __init__(self, bound: int):
+        self.bound = bound
+        self.ids, self.kept = [], []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        finite = torch.isfinite(scores)
+        self.kept.append(finite.sum(-1))
+        values, ids = scores.topk(min(self.bound, scores.size(-1)), dim=-1)
+        self.ids.append(ids.masked_fill(~torch.isfinite(values), ABSENT))
+        return scores
+
+    def tensors(self, length: int) -> torch.Tensor:
+        """`[B, length, bound]` kept ids per generated position, cut or padded (with `ABSENT`) to `length`."""
+        if not self.ids:
+            raise RuntimeError("the support capture recorded no generation step")
+        most = int(torch.stack(self.kept).max())  # one host read per generation, after it
+        if most > self.bound:
+            raise ValueError(f"the sampler kept {most} tokens at one step, more than the support bound "
+                             f"{self.bound}; set top_k <= {self.bound} so that every kept set fits")
+        ids = torch.stack(self.ids, 1)[:, :length]
+        return torch.nn.functional.pad(ids, (0, 0, 0, length - ids.size(1)), value=ABSENT)
+
+
+def last_in_generate(model, processor):
+    """A context manager: within it, `model.generate` runs `processor` after every logits processor and warper it
+    builds (transformers' private `_get_logits_processor` is wrapped on the instance; where it is missing, this
+    raises, naming the transformers version)."""
+    from contextlib import contextmanager
+
+    import transformers
+
+    if not callable(getattr(model, "_get_logits_processor", None)):
+        raise RuntimeError(f"transformers {transformers.__version__} has no GenerationMixin._get_logits_processor: "
+                           "the sampler's support cannot be captured after its warpers")
+
+    @contextmanager
+    def block():
+        original, shadowed = model._get_logits_processor, model.__dict__.get("_get_logits_processor")
+
+        def with_processor_last(*args, **kwargs):
+            processors = original(*args, **kwargs)
+            processors.append(processor)
+            return processors
+
+        model._get_logits_processor = with_processor_last
+        try:
+            yield processor
+        finally:
+            if shadowed is None:
+                del model._get_logits_processor
+            else:
+                model._get_logits_processor = shadowed
+
+    return block()
