@@ -44,13 +44,17 @@ ROWS = [{"prompt": "a:", "answer": "1"}, {"prompt": "b:", "answer": "2"}]
 
 
 def test_no_offered_negation_always_fails():
-    """Every `--no_<field>` the parser offers builds a config; the one RPPConfig always rejects is not offered."""
+    """Every `--no_<field>` the parser offers builds a config (with the setting it needs, where one is named below);
+    the one RPPConfig always rejects is not offered."""
+    needs = {"--no_replay_sampler_support": ["--top_k", "6"]}  # only a truncating sampler is replayed
     parser = cli.make_parser()
     negations = [a.option_strings[0] for a in parser._actions if a.option_strings and a.option_strings[0].startswith("--no_")]
     assert "--no_normalize_advantages" not in negations and "--no_normalize_advantages" not in parser.format_help()
     assert "--no_shuffle_dataset" in negations  # the removal is targeted, not all negations
     for flag in negations:
-        _args(flag)  # raises if RPPConfig rejects it
+        _args(flag, *needs.get(flag, []))  # raises if RPPConfig rejects it
+    with pytest.raises(ValueError, match=r"^replay_sampler_support=False is not supported with no truncating"):
+        _args("--no_replay_sampler_support")
     with pytest.raises(ValueError, match=r"not used.*--no_normalize_advantages"):
         _args("--no_normalize_advantages")
 

@@ -220,12 +220,13 @@ def test_every_vllm_sampling_params_field_is_classified():
 
 @pytest.mark.parametrize("use_vllm, kwargs", [
     (False, {"dola_layers": "high"}), (False, {"penalty_alpha": 0.6}), (False, {"token_healing": True}),
-    (True, {"presence_penalty": 0.5}), (True, {"logit_bias": {3: 1.0}}), (True, {"top_k": 5}),
+    (True, {"presence_penalty": 0.5}), (True, {"logit_bias": {3: 1.0}}), (True, {"frequency_penalty": 0.5}),
 ])
 def test_score_centering_rejects_a_distribution_changing_generation_kwarg_in_its_engines_names(use_vllm, kwargs):
     [(name, value)] = kwargs.items()
     with pytest.raises(ValueError, match=rf"^generation_kwargs: {name}={re.escape(repr(value))} is not supported with "
-                                         r"score_centering=True; accepted: "):
+                                         r"score_centering=True( and vllm_importance_sampling_correction=True)?; "
+                                         r"accepted: "):
         RPPConfig(**CPU, score_centering=True, use_vllm=use_vllm, generation_kwargs=kwargs,
                   **(dict(vllm_importance_sampling_mode="token_truncate") if use_vllm else {}))
     # Inert settings pass: a stop string, and the number of tokens.

@@ -82,12 +82,13 @@ GRPO_FIELDS = {
     "generation_batch_size": inherited(bad=[0]),
     "steps_per_generation": honored(bad=[0], ok=2),  # buffered generation batch saved in checkpoints
     "temperature": honored(bad=[0.0, -1.0, NAN, INF], ok=0.7),  # log-probs at the sampling temperature
-    "top_p": inherited(),
-    "top_k": inherited(),
-    "min_p": inherited(),
+    # A truncation is replayed (trl_rpp.replay); top_k bounds the kept sets (top_p or min_p alone: tests/test_replay.py)
+    "top_p": honored(),
+    "top_k": honored(bad=[257], ok=6),
+    "min_p": honored(),
     "generation_kwargs": inherited(bad=[{"do_sample": False}, {"temperature": 0.0}], ok={"suppress_tokens": [5]}),
     "chat_template_kwargs": inherited(),
-    "repetition_penalty": inherited(),
+    "repetition_penalty": inherited(),  # rejected with score centering or vLLM's importance sampling (test_replay)
     "cache_implementation": inherited(),
     "use_transformers_continuous_batching": inherited(),
     "transformers_continuous_batching_config": inherited(),
@@ -177,6 +178,11 @@ RPP_FIELDS = {
         honored={RPP: ({"score_centering": True}, 8), BASE: ({"score_centering": True}, 8)},
         ignored={RPP: ({"score_centering": False}, [8]), BASE: ({"score_centering": False}, [64])},
     ),
+    # Read where a setting truncates the sampler (trl_rpp.replay); nothing reads it where none does.
+    "replay_sampler_support": dict(
+        honored={RPP: ({"top_k": 6}, False), BASE: ({"top_p": 0.9, "top_k": 20}, False)},
+        ignored={RPP: ({}, [False]), BASE: ({}, [False])},
+    ),
     "vllm_dtype": dict(
         honored={RPP: ({"use_vllm": True}, "float32"), BASE: ({"use_vllm": True}, "float32")},
         ignored={RPP: ({"use_vllm": False}, ["float32"]), BASE: ({"use_vllm": False}, ["bfloat16"])},
@@ -240,6 +246,7 @@ def test_rpp_settings_an_estimator_never_reads_are_rejected(name, estimator, set
     assert message.startswith(f"{name}={value!r} is not supported with "), message
     # The message names the estimator, or the setting, under which the field is not read, and what is accepted.
     context = {"score_centering_top_k": "score_centering=False", "vllm_dtype": "use_vllm=False",
+               "replay_sampler_support": "no truncating sampler setting",
                "max_consecutive_skipped_steps": "fp16=True"}.get(
         name, f"advantage_estimator={estimator!r}")
     assert context in message and "accepted: " in message, message

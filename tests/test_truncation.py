@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from trl_rpp.truncation import ABSENT, support_logsumexp, token_in_support, truncated_logps
+from trl_rpp.truncation import ABSENT, support_logps, support_logsumexp, token_in_support, truncated_logps
 
 
 def ref_truncated_logps(logits, token_ids, support_ids, mask, temperature):
@@ -48,7 +48,8 @@ def test_matches_the_float64_reference(seed, temperature):
     logits, tokens, support, mask = random_case(seed)
     got = truncated_logps(logits, tokens, support, mask, temperature)
     want = ref_truncated_logps(logits.tolist(), tokens.tolist(), support.tolist(), mask.tolist(), temperature)
-    assert got.dtype == torch.float32 and got.shape == mask.shape
+    assert got.dtype == torch.float64 and got.shape == mask.shape  # float32 for float32 (or lower) logits
+    assert truncated_logps(logits.float(), tokens, support, mask, temperature).dtype == torch.float32
     torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-6)
     assert bool(token_in_support(tokens, support, mask).all())
 
@@ -141,25 +142,34 @@ def test_the_capture_holds_what_generate_kept(tiny_model, settings):
     sampled token."""
     from transformers import AutoModelForCausalLM
 
-    from trl_rpp.truncation import SamplerSupportCapture, last_in_generate
+    from trl_rpp.sampling import capturing_generate
+    from trl_rpp.truncation import SamplerSupportCapture, support_of
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     temperature = settings.get("temperature", 1.0)
     torch.manual_seed(0)
     prompt = torch.tensor([[3, 4, 5], [6, 7, 8]])
     capture = SamplerSupportCapture(bound=40)
-    with last_in_generate(model, capture):
+    with capturing_generate(model, capture, last=True):
         out = model.generate(input_ids=prompt, max_new_tokens=6, do_sample=True, pad_token_id=0, eos_token_id=None,
                              **{"top_k": 0, **settings, "temperature": temperature})
-    assert "_get_logits_processor" not in model.__dict__  # restored
+    assert "_get_logits_processor" not in model.__dict__ and "generate" not in model.__dict__  # restored
     new = out[:, prompt.size(1):]
-    support = capture.tensors(new.size(1))
+    ids, logps, sampled = capture.tensors(new.size(1))
+    support = support_of(ids, logps)
     assert support.shape == (2, new.size(1), 40)
     with torch.no_grad():
         logits = model(out).logits[:, prompt.size(1) - 1 : -1].double() / temperature
     probs = torch.softmax(logits, -1)
     mask = torch.ones_like(new, dtype=torch.bool)
     assert bool(token_in_support(new, support, mask).all())
+    # The recorded log-probs are log q_S: the full softmax renormalized over the kept set, and the sampled token's
+    # is its entry there.
+    want = truncated_logps(logits, new, support, mask, 1.0)
+    torch.testing.assert_close(sampled.double(), want, rtol=0, atol=1e-5)
+    inside = support != ABSENT
+    torch.testing.assert_close(logps[inside].double(), support_logps(logits, support, support, 1.0)[inside],
+                               rtol=0, atol=1e-5)
     knobs = {k: settings.get(k) for k in ("top_k", "top_p", "min_p")}
     for b in range(new.size(0)):
         for t in range(new.size(1)):
@@ -172,11 +182,12 @@ def test_the_capture_holds_what_generate_kept(tiny_model, settings):
 def test_a_kept_set_larger_than_the_bound_is_refused_naming_it(tiny_model):
     from transformers import AutoModelForCausalLM
 
-    from trl_rpp.truncation import SamplerSupportCapture, last_in_generate
+    from trl_rpp.sampling import capturing_generate
+    from trl_rpp.truncation import SamplerSupportCapture
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     capture = SamplerSupportCapture(bound=3)
-    with last_in_generate(model, capture):
+    with capturing_generate(model, capture, last=True):
         model.generate(input_ids=torch.tensor([[3, 4]]), max_new_tokens=2, do_sample=True, top_k=10, pad_token_id=0)
     with pytest.raises(ValueError, match=r"^the sampler kept 10 tokens at one step, more than the support bound 3; "
                                          r"set top_k <= 3"):

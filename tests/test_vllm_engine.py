@@ -260,6 +260,66 @@ def test_score_centering_with_token_mask_on_the_engine(single):
     assert compared == len(ratios)
 
 
+# --- A truncating sampler (top_k, top_p), replayed or not ----------------------------------------------------------
+
+
+def initial_full_logps(vllm_model, batch):
+    """`[B, T, V]` float64 log-softmax of the initial weights at the batch's completion positions (temperature 1)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float64).eval()
+    ids = torch.cat([torch.tensor(batch["prompt_ids"]), torch.tensor(batch["completion_ids"])], dim=1)
+    attn = torch.cat([torch.tensor(batch["prompt_mask"]), torch.tensor(batch["completion_mask"])], dim=1)
+    T = len(batch["completion_ids"][0])
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, -T - 1 : -1], -1)
+
+
+@pytest.mark.parametrize("case", ["replay_top_k", "replay_top_p"])
+def test_replayed_truncation_gives_an_on_policy_ratio_of_one(single, vllm_model, case):
+    """The first step samples with the trainer's own float32 weights: with the kept sets replayed, TRL's
+    importance-sampling ratio (token_truncate) is 1 at every token, where the full-vocabulary one is the kept mass
+    (computed here from the engine's own log q_S and the initial weights in float64, as GRPO would). At top_k=6 the
+    run has score centering on: it trains."""
+    run = single[case]
+    check_real_engine(run)
+    batch = run["batches"][0]
+    mask = torch.tensor(batch["completion_mask"]).bool()
+    ratio = torch.tensor(batch["importance_sampling_ratio"], dtype=torch.float64)[mask]
+    logged = [h["sampling/importance_sampling_ratio/mean"] for h in run["logs"] if "loss" in h]
+    assert abs(logged[0] - 1) <= 0.02 and (ratio - 1).abs().max().item() <= 1e-4, (logged, ratio)
+    # The record is the engine's kept set: every sampled token is in it, and its log q_S is the engine's.
+    support = torch.tensor(batch["sampler_support_ids"])
+    tokens = torch.tensor(batch["completion_ids"])
+    assert bool(((support == tokens.unsqueeze(-1)).any(-1) | ~mask).all())
+    kept = (support != -1).sum(-1)[mask]
+    assert kept.max().item() <= run["facts"]["max_logprobs"] - 1 and kept.float().mean().item() < 46
+    sampler = torch.tensor(batch["sampler_per_token_logps"], dtype=torch.float64)
+    full = initial_full_logps(vllm_model, batch).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    without = torch.exp(full - sampler)[mask]  # GRPO's ratio: pi(y) / q_S(y) = pi(S)
+    assert without.max().item() < 0.99
+    print(f"\n{case}: mean ratio with replay {logged[0]:.6f} (|r-1| <= {(ratio - 1).abs().max().item():.1e}), "
+          f"without {without.mean().item():.4f}; mean kept set {kept.float().mean().item():.1f} ids")
+    steps = [h for h in run["logs"] if "loss" in h]
+    assert steps and all(math.isfinite(h["loss"]) for h in steps)
+
+
+def test_without_replay_the_on_policy_ratio_is_the_kept_mass(single, vllm_model):
+    """replay_sampler_support=False at top_k=6: TRL's ratio at each token is pi(S), the initial weights' mass on
+    their 6 most probable tokens (float64 here), not 1."""
+    run = single["full_top_k"]
+    check_real_engine(run)
+    batch = run["batches"][0]
+    assert "sampler_support_ids" not in batch
+    mask = torch.tensor(batch["completion_mask"]).bool()
+    ratio = torch.tensor(batch["importance_sampling_ratio"], dtype=torch.float64)[mask]
+    mass = initial_full_logps(vllm_model, batch).exp().topk(6, dim=-1).values.sum(-1)[mask]
+    torch.testing.assert_close(ratio, mass, rtol=0, atol=1e-4)
+    logged = [h["sampling/importance_sampling_ratio/mean"] for h in run["logs"] if "loss" in h]
+    print(f"\nfull_top_k: mean ratio {logged[0]:.4f}, mean kept mass {mass.mean().item():.4f}")
+    assert logged[0] < 0.9
+
+
 # --- Two processes, one engine each ------------------------------------------------------------------------------
 
 

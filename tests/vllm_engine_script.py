@@ -173,6 +173,13 @@ SINGLE = {
                          dict(max_steps=2, score_centering=True, score_centering_top_k=32,
                               vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.999,
                               vllm_importance_sampling_clip_max=1.001), False),
+    # A truncating sampler, the first (on-policy) step: replayed at top_k=6 with score centering, and at top_p=0.5
+    # (top_k=46, the whole vocabulary, as the bound); then top_k=6 with GRPO's full-vocabulary log-probs.
+    **{name: (est, dict(vllm_dtype="float32", max_steps=1, vllm_importance_sampling_mode="token_truncate", **kw), False)
+       for name, est, kw in (
+           ("replay_top_k", "reinforce_plus_plus_baseline", dict(top_k=6, score_centering=True, score_centering_top_k=6)),
+           ("replay_top_p", "reinforce_plus_plus", dict(top_k=46, top_p=0.5)),
+           ("full_top_k", "reinforce_plus_plus", dict(top_k=6, replay_sampler_support=False)))},
 }
 # Two processes, one engine each: the normalization population is the union of both processes' completions.
 DISTRIBUTED = {
@@ -227,8 +234,9 @@ def run_case(outdir, model_path, name, spec, initial_probe, zero3=False):
         "sampler_calls": trainer.sampler_calls, "loss_calls": trainer.loss_calls,
         "rewards": tensors_to_lists(trainer.captured_rewards),
         "batches": tensors_to_lists([
-            {k: b[k] for k in ("completion_ids", "completion_mask", "advantages", "old_per_token_logps",
-                               "ref_per_token_logps", "importance_sampling_ratio") if b.get(k) is not None}
+            {k: b[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
+                               "old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio",
+                               "sampler_support_ids", "sampler_per_token_logps") if b.get(k) is not None}
             for b in trainer.generation_batches
         ]),
     }

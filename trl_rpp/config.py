@@ -185,9 +185,10 @@ class RPPConfig(GRPOConfig):
         metadata={
             "help": "Whether to center the score of every valid token with the sampler's top-k distribution (Marek & "
             "Ryabinin, arXiv:2609.20807), removing the drift that a sampler/trainer mismatch adds to the update. The "
-            "top-k ids and log-probs are recorded during generation. Requires a sampler that draws from the "
-            "full-vocabulary softmax at `temperature`: `top_p < 1`, `top_k > 0`, `min_p > 0`, "
-            "`repetition_penalty != 1` and other distribution-changing generation settings are rejected."
+            "top-k ids and log-probs are recorded during generation. Requires a sampler that draws from the softmax "
+            "at `temperature`, or from its truncation by `top_k`, `top_p` or `min_p` replayed "
+            "(`replay_sampler_support`): `repetition_penalty != 1` and other distribution-changing generation "
+            "settings are rejected."
         },
     )
     score_centering_top_k: int = field(
@@ -198,6 +199,20 @@ class RPPConfig(GRPOConfig):
             "open text at temperature 1, `k = 32` left a 22-24%% relative error of the correction's gradient (13%% at "
             "`k = 128`), against the 0.17-0.94%% the score-centering paper reports at `k = 32` on Qwen3-0.6B "
             "(`docs/score_centering.md`). Only `32` is accepted with `score_centering=False`, where nothing reads it."
+        },
+    )
+
+    replay_sampler_support: bool = field(
+        default=True,
+        metadata={
+            "help": "Whether, when `top_k`, `top_p` or `min_p` truncate the sampling distribution (or, with "
+            "transformers' `generate`, `typical_p`, `epsilon_cutoff`, `eta_cutoff` or `top_h` in "
+            "`generation_kwargs`), every log-prob of a sampled token is read over the tokens the sampler kept, "
+            "`log pi(y | S_t)`: the importance-sampling and PPO ratios, the KL to the reference and score centering are "
+            "then taken for the distribution the tokens were drawn from. The kept tokens are recorded at generation; "
+            "`top_k` (1 to 256) must bound them. `False` reads the full-vocabulary log-probs, as GRPO does (the "
+            "on-policy importance ratio is then the kept mass, not 1), and is rejected with `score_centering=True`. "
+            "See `docs/sampling.md`."
         },
     )
 
@@ -283,15 +298,35 @@ class RPPConfig(GRPOConfig):
         super().__post_init__()
         # ... except what GRPOConfig parses from the command line first (`generation_kwargs`).
         _check(self, _RULES_AFTER_PARSING)
-        if self.score_centering:
+        # generation_kwargs go to vLLM's SamplingParams with use_vllm, else to transformers' GenerationConfig, and
+        # override the fields of the same name.
+        from .replay import support_bound, truncating
+
+        given = dict(self.generation_kwargs or {})
+        sampler = {"top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p, **given}
+        bound = support_bound(sampler, self.use_vllm, self.replay_sampler_support)
+        if not self.replay_sampler_support and not truncating(sampler, self.use_vllm):
+            raise unsupported("replay_sampler_support", False, "True (its default)", under="no truncating sampler "
+                              "setting (top_k, top_p, min_p)", why="Only a truncated sampler is replayed.")
+        if bound is not None and not self.use_vllm and getattr(self, "use_transformers_continuous_batching", False):
+            raise unsupported("use_transformers_continuous_batching", True, "False",
+                              under=f"{', '.join(truncating(sampler, False))} and replay_sampler_support=True",
+                              why="The kept tokens are recorded inside transformers' `generate`.")
+        # What needs the sampler's q exactly: a truncation is replayed (or, without score centering, explicitly
+        # opted out of); any other change of q is rejected.
+        needs = [name for name, on in (("score_centering=True", self.score_centering),
+                                       ("vllm_importance_sampling_correction=True",
+                                        self.use_vllm and self.vllm_importance_sampling_correction)) if on]
+        if needs:
             from .sampling import NEUTRAL_VLLM_SAMPLING, check_exact_sampling
 
+            replayed = truncating(sampler, self.use_vllm) if self.replay_sampler_support or not self.score_centering else ()
             settings = dict(top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                             repetition_penalty=self.repetition_penalty)  # fmt: skip
-            check_exact_sampling(settings, self.temperature, where="")
-            # generation_kwargs go to vLLM's SamplingParams with use_vllm, else to transformers' GenerationConfig.
-            check_exact_sampling(dict(self.generation_kwargs or {}), self.temperature, where="generation_kwargs: ",
-                                 neutral_values=NEUTRAL_VLLM_SAMPLING if self.use_vllm else None)
+            check_exact_sampling(settings, self.temperature, where="", replayed=replayed, under=" and ".join(needs))
+            check_exact_sampling(given, self.temperature, where="generation_kwargs: ", replayed=replayed,
+                                 neutral_values=NEUTRAL_VLLM_SAMPLING if self.use_vllm else None,
+                                 under=" and ".join(needs))
 
 
 def _real(x) -> bool:

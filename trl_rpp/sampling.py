@@ -107,21 +107,25 @@ INERT_VLLM_SAMPLING = frozenset({
 })
 
 
-def check_exact_sampling(settings: dict, temperature: float, where: str, neutral_values=None) -> None:
-    """Raise `ValueError` when a generation setting makes q differ from ``softmax(logits / temperature)``.
+def check_exact_sampling(settings: dict, temperature: float, where: str, neutral_values=None, replayed=(),
+                         under: str = "score_centering=True") -> None:
+    """Raise `ValueError` when a generation setting makes q differ from ``softmax(logits / temperature)``, other
+    than the truncations named in `replayed` (`trl_rpp.replay` renormalizes over what they keep). `under` names
+    what needs an exact q (score centering, vLLM's importance sampling).
     `neutral_values`: `NEUTRAL_SAMPLING` (transformers' names, the default) or `NEUTRAL_VLLM_SAMPLING`."""
     for name, neutral in (NEUTRAL_SAMPLING if neutral_values is None else neutral_values).items():
-        if name in settings and settings[name] not in neutral:
+        if name in settings and settings[name] not in neutral and name not in replayed:
             accepted = " or ".join(repr(v) for v in neutral)
             raise unsupported(
-                f"{where}{name}", settings[name], accepted, under="score_centering=True",
-                why="Score centering assumes the sampler draws from the full-vocabulary softmax at the sampling "
-                "temperature, and this setting changes that distribution.",
+                f"{where}{name}", settings[name], accepted, under=under,
+                why="The trainer's log-probs are those of the softmax at the sampling temperature, renormalized over "
+                "the kept tokens when top_k, top_p or min_p truncate it (replay_sampler_support=True); this setting "
+                "changes the sampler's distribution otherwise, and nothing can replay it.",
             )
     if settings.get("temperature", temperature) != temperature:
         raise ValueError(
             f"{where}temperature={settings['temperature']!r} differs from the trainer's temperature={temperature!r}; "
-            "with score_centering=True both must be the same so that q and p are taken at one temperature."
+            f"with {under} both must be the same so that q and p are taken at one temperature."
         )
 
 
@@ -159,37 +163,65 @@ class SamplerTopKCapture(LogitsProcessor):
 
 
 @contextmanager
-def generate_with_processor(model, processor: LogitsProcessor, first: bool = False, after=None):
+def generate_with_processor(model, processor: LogitsProcessor, first: bool = False, after=None, last: bool = False):
     """Within the block, ``model.generate`` also runs `processor`, last among the custom logits processors (or first
-    with ``first=True``), and calls ``after(sequences)`` once generation returns.
+    with ``first=True``), and calls ``after(sequences)`` once generation returns. With ``last=True`` it runs after
+    every processor and warper `generate` builds (temperature, top-k, top-p, ...), which transformers applies after
+    the custom ones: its private ``_get_logits_processor`` is wrapped for the call (where it is missing, this raises,
+    naming the transformers version).
 
     Nests: a ``generate`` already wrapped on the instance (by an outer block) is called through and restored on exit.
     """
-    original = model.generate
-    shadowed = model.__dict__.get("generate")
+    if last and not callable(getattr(model, "_get_logits_processor", None)):
+        import transformers
+
+        raise RuntimeError(f"transformers {transformers.__version__} has no GenerationMixin._get_logits_processor: "
+                           "the sampler's kept tokens cannot be captured after its warpers")
 
     def generate(*args, **kwargs):
-        given = list(kwargs.pop("logits_processor", None) or [])
-        processors = LogitsProcessorList([processor, *given] if first else [*given, processor])
-        out = original(*args, logits_processor=processors, **kwargs)
+        if last:
+            with _shadowed(model, "_get_logits_processor", _appending(model._get_logits_processor, processor)):
+                out = original(*args, **kwargs)
+        else:
+            given = list(kwargs.pop("logits_processor", None) or [])
+            processors = LogitsProcessorList([processor, *given] if first else [*given, processor])
+            out = original(*args, logits_processor=processors, **kwargs)
         if after is not None:
             after(out if torch.is_tensor(out) else out.sequences)
         return out
 
-    model.generate = generate
-    try:
+    original = model.generate
+    with _shadowed(model, "generate", generate):
         yield processor
+
+
+def _appending(build, processor):
+    def build_and_append(*args, **kwargs):
+        processors = build(*args, **kwargs)
+        processors.append(processor)
+        return processors
+
+    return build_and_append
+
+
+@contextmanager
+def _shadowed(obj, name, value):
+    """Set ``obj.name = value`` on the instance for the block, then restore what the instance held (or remove it)."""
+    shadowed = obj.__dict__.get(name)
+    setattr(obj, name, value)
+    try:
+        yield
     finally:
         if shadowed is None:
-            del model.generate
+            delattr(obj, name)
         else:
-            model.generate = shadowed
+            setattr(obj, name, shadowed)
 
 
-def capturing_generate(model, capture: SamplerTopKCapture):
-    """Within the block, ``model.generate`` also runs `capture` as its last custom logits processor (nests, see
-    `generate_with_processor`)."""
-    return generate_with_processor(model, capture, after=lambda sequences: capture.finish(sequences[:, -1]))
+def capturing_generate(model, capture: SamplerTopKCapture, last: bool = False):
+    """Within the block, ``model.generate`` also runs `capture` as its last custom logits processor, or with
+    ``last=True`` after every warper (nests, see `generate_with_processor`)."""
+    return generate_with_processor(model, capture, after=lambda sequences: capture.finish(sequences[:, -1]), last=last)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -126,6 +126,7 @@ def score_centering_coefficients(
     mask: torch.Tensor,
     min_tail_mass: float = 1e-6,
     weight_fn=None,
+    closed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Coefficients ``q_v - rho p_v`` of the top-k score-centering correction, and the two head masses.
 
@@ -144,6 +145,11 @@ def score_centering_coefficients(
         sampler_head_logps: ``[B, T, k]`` the sampler's log-probs of those ids; ``-inf`` marks an absent entry.
         mask: ``[B, T]`` bool or 0/1.
         min_tail_mass: lower bound of the trainer's tail mass ``1 - sum_H p``.
+        weight_fn: see above.
+        closed: optional ``[B, T]`` bool, the positions whose head holds the sampler's whole support (a truncating
+            sampler replayed, ``p`` and ``q`` renormalized over that support). Both tails are empty there, and the
+            ``rho p`` (``alpha p``) term's gradient ``rho grad sum_H p`` is 0 for any ``rho``: it is dropped, where
+            rounding would leave ``1 - sum_H q`` of order 1e-7 to divide by the clamped ``min_tail_mass``.
 
     Returns:
         ``(coeff [B, T, k], sampler_head_mass [B, T], trainer_head_mass [B, T])``, float64, zero where masked or absent.
@@ -161,12 +167,13 @@ def score_centering_coefficients(
     p = torch.where(present, head_logps.detach().to(torch.float64), -torch.inf).exp()
     q_mass, p_mass = q.sum(-1), p.sum(-1)
     rho = ((1.0 - q_mass).clamp(min=0.0) / (1.0 - p_mass).clamp(min=min_tail_mass)).unsqueeze(-1)
+    open_tail = torch.ones_like(rho) if closed is None else (~closed.bool()).unsqueeze(-1).to(rho.dtype)
     if weight_fn is None:
-        coeff = q - rho * p
+        coeff = q - open_tail * rho * p
     else:
         # rho -> 0 (no sampler tail): alpha -> lim f(x)/x, which rho_c * f(1/rho_c) reaches without dividing by 0.
         rho_c = rho.clamp(min=1e-300)
-        alpha = rho_c * weight_fn(1.0 / rho_c)
+        alpha = open_tail * rho_c * weight_fn(1.0 / rho_c)
         coeff = q * weight_fn(p / torch.where(present, q, 1.0)) - alpha * p
     coeff = torch.where(present, coeff, zero64)
     return coeff, torch.where(m, q_mass, zero64), torch.where(m, p_mass, zero64)
@@ -178,6 +185,7 @@ def score_centering_correction(
     mask: torch.Tensor,
     min_tail_mass: float = 1e-6,
     weight_fn=None,
+    closed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-k score-centering term ``sum_{v in H} sg[q_v - rho p_v] log p_v`` (arXiv:2609.20807).
 
@@ -198,11 +206,13 @@ def score_centering_correction(
         mask: ``[B, T]`` bool or 0/1.
         min_tail_mass: lower bound of the trainer's tail mass ``1 - sum_H p``.
         weight_fn: optional importance weight ``f`` of the sampled token's score, see `score_centering_coefficients`.
+        closed: optional ``[B, T]`` bool, heads that hold the whole (replayed) support, see
+            `score_centering_coefficients`.
 
     Returns:
         ``[B, T]`` correction, zero outside the mask (in ``head_logps``' dtype, at least float32).
     """
-    coeff, _, _ = score_centering_coefficients(head_logps, sampler_head_logps, mask, min_tail_mass, weight_fn)
+    coeff, _, _ = score_centering_coefficients(head_logps, sampler_head_logps, mask, min_tail_mass, weight_fn, closed)
     acc = _accum_dtype(head_logps.dtype)
     zero = torch.zeros((), dtype=acc, device=head_logps.device)
     present = coeff != 0
@@ -223,6 +233,7 @@ def score_centered_ppo_loss(
     min_tail_mass: float = 1e-6,
     importance_weights: torch.Tensor | None = None,
     weight_fn=None,
+    closed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`response_mean_ppo_loss` with the score of every valid token centered (`docs/score_centering.md`).
 
@@ -243,6 +254,9 @@ def score_centered_ppo_loss(
         epsilon_low, epsilon_high, min_tail_mass: see `response_mean_ppo_loss` and `score_centering_correction`.
         importance_weights: optional ``[B, T]`` per-token ``f(pi_old/q)``; it must come with its ``weight_fn``.
         weight_fn: ``f`` as an elementwise function of the ratio, see `score_centering_coefficients`.
+        closed: optional ``[B, T]`` bool, heads that hold the whole (replayed) support, see
+            `score_centering_coefficients`. With a replayed truncating sampler, every log-prob here is
+            ``log p(. | S_t)`` and every sampler log-prob ``log q_S``.
 
     Returns:
         0-dim loss.
@@ -252,7 +266,7 @@ def score_centered_ppo_loss(
     m = _as_bool_mask(mask)
     token_loss, weight = _clipped_surrogate(logps, old_logps, advantages, m, epsilon_low, epsilon_high)
     adv = torch.where(m, advantages.to(logps.dtype), _zero(logps))
-    correction = score_centering_correction(head_logps, sampler_head_logps, m, min_tail_mass, weight_fn)
+    correction = score_centering_correction(head_logps, sampler_head_logps, m, min_tail_mass, weight_fn, closed)
     token_loss = _weighted(token_loss, importance_weights, m)
     return masked_response_mean(token_loss + (adv * weight) * correction.to(logps.dtype), m)
 

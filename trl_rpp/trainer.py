@@ -10,9 +10,13 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
     _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step
     -- once per generation batch (GRPO's `_prepare_inputs`) --
     _generate_and_score_completions    GRPO's inside `borrowed_beta` (reference log-probs), which calls:
-        _generate                      score centering: per-call top-k (or a rollout_func's lists), aligned to the
-                                       model tokens of the final completions (`trl_rpp.multi_turn`) -> self._rpp_capture
-          _generate_single_turn        once per turn (the tool loop calls it again): the top-k -> self._rpp_captures
+        _generate                      the sampler record (score centering's top-k, or a truncating sampler's kept
+                                       sets and log q_S), per call (or a rollout_func's lists), aligned to the model
+                                       tokens of the final completions (`trl_rpp.multi_turn`) -> self._rpp_capture;
+                                       with replay, the kept ids [B, T, K]                   -> self._rpp_support
+          _generate_single_turn        once per turn (the tool loop calls it again): the record -> self._rpp_captures
+        _get_per_token_logps_and_entropies   GRPO's pi_old and reference forwards: with replay, log pi(y | S_t)
+                                       over self._rpp_support (`trl_rpp.replay`), so TRL's IS ratio is exact
         _calculate_rewards             raw rewards [B_global, n_reward_funcs]      -> self._rpp_rewards_per_func
       then turns the raw rewards into the batch keys below: `_reinforce_pp_advantages` (after a pi_old forward
       through GRPO's `_get_per_token_logps_and_entropies` when k1 shaping needs one), or the group baseline
@@ -31,6 +35,7 @@ Batch keys written at generation and read by `_compute_loss` (``B`` local rows, 
     ref_per_token_logps [B, T]         GRPO's reference log-probs, when a KL is used
     rpp_rewards [B], rpp_mask [B, T]   deferred REINFORCE++: returns built in the loss (`_rpp_defer_returns`)
     sampler_head_ids, sampler_head_logps [B, T, k], sampler_per_token_logps [B, T]     score centering
+    sampler_support_ids [B, T, K], sampler_per_token_logps [B, T]                       replay (K = top_k)
 """
 
 from __future__ import annotations
@@ -55,12 +60,15 @@ from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .preemption import Preemption
 from .rollouts import install_rollout_checks
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_funcs
+from .replay import check_tokens_in_support, completion_logits, full_entropies, head_is_whole_support
+from .replay import replayed_logps, support_bound
 from .sampling import SamplerTopKCapture, capturing_generate
 from .score_centering import importance_weight_fn, sampled_and_head_logps, score_centered_ppo_loss
 from .score_centering import score_centering_metric_sums
 from .trainer_utils import FORWARD_KEYS, PolicyForward, borrowed_beta, check_score_centering_support
 from .trainer_utils import empty_batch_message, generate_vllm_with_topk, masked_max, reduce_across_processes
 from .trainer_utils import sampler_topk_of_generation, token_mask
+from .truncation import ABSENT, SamplerSupportCapture, support_logps, support_of
 from .vllm_engine import use_cpu_weight_sync, vllm_engine_args
 
 
@@ -120,6 +128,12 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
     12. **Non-finite gradients.** A NaN/Inf gradient norm skips the optimizer step on every process (`grad_guard`).
     13. **Failed reward calls.** A reward function that raises or runs past `reward_timeout` raises the same
        `RewardFunctionError` on every process (naming it and the step), or its rows are unscorable (`reward_errors`).
+    14. **Truncated sampling.** When `top_k`, `top_p` or `min_p` truncate the sampler, the kept set of every
+       generated token is recorded (after transformers' warpers, or from vLLM's processed log-probs) and every
+       log-prob of a sampled token becomes `log pi(y | S_t)`, renormalized over it: pi_old, the reference, the loss
+       forward (PPO ratio, KL) and score centering; TRL's vLLM importance-sampling ratio is then 1 on-policy, where
+       GRPO's is the kept mass. `replay_sampler_support=False` keeps GRPO's full-vocabulary log-probs
+       (`trl_rpp.replay`).
     """
 
     _tag_names = ["trl", "rpp", "reinforce-plus-plus"]
@@ -143,10 +157,19 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         kwargs.update(train_dataset=train_dataset, eval_dataset=eval_dataset)
         self._rpp_needs_ref = args.kl_coef != 0.0 or args.use_kl_loss
         k = args.score_centering_top_k
-        vllm_logprobs = k + 1 if args.score_centering and args.use_vllm else 0
+        # The sampler record's width: the kept-set bound (top_k) when a truncating sampler is replayed, else
+        # score centering's head size; 0 when nothing is recorded.
+        sampler = {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, **(args.generation_kwargs or {})}
+        bound = support_bound(sampler, args.use_vllm, args.replay_sampler_support)
+        vllm_logprobs = (bound or (k if args.score_centering else 0)) + 1 if args.use_vllm else 0
         with borrowed_beta(args, self._rpp_needs_ref), vllm_engine_args(vllm_logprobs, args.vllm_dtype):
             super().__init__(model, reward_funcs, args, **kwargs)
         self.beta = 0.0
+        if not args.use_vllm:  # transformers' generate: what it will use, the model's generation config included
+            merged = {**self.accelerator.unwrap_model(self.model).generation_config.to_dict(), **self.generation_kwargs}
+            bound = support_bound(merged, False, args.replay_sampler_support, where="the model's generation config: ")
+        self._rpp_bound = bound  # None: no replay
+        self._rpp_width = bound or (k if args.score_centering else 0)
         install_rollout_checks(self)  # env_mask / tool_mask rows must match their completions (trl_rpp.rollouts)
         self._rpp_preemption = Preemption(self, args.preemption_signals)
         check_normalization_group(self.accelerator.parallelism_config)
@@ -157,11 +180,12 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             )
         if args.use_vllm:
             use_cpu_weight_sync(self.vllm_generation)  # vLLM's CPU backend needs its own reload (trl_rpp.vllm_engine)
-        if args.score_centering and args.use_vllm:
-            self.vllm_generation.logprobs = k  # top-k per token, plus the sampled token when outside them
+        if self._rpp_width and args.use_vllm:
+            # the kept set (processed log-probs: -inf outside it) or the top-k, plus the sampled token when outside
+            self.vllm_generation.logprobs = self._rpp_width
         self._rpp_rewards_per_func = None
-        self._rpp_capture, self._rpp_captures = None, []
-        if args.score_centering:
+        self._rpp_capture, self._rpp_captures, self._rpp_support = None, [], None
+        if self._rpp_width:
             check_score_centering_support(self)
             self._rpp_weight_fn = importance_weight_fn(self)  # TRL's token-level sampler correction f(ratio), or None
 
@@ -225,12 +249,16 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         return rewards_per_func
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
-        if not self.args.score_centering:
+        if not self._rpp_width:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
-        if self.use_vllm:  # the top-k lists, and the sampled token's log-prob selected by id
-            return generate_vllm_with_topk(self, prompt_ids, images, num_generations)
-        capture = SamplerTopKCapture(self.args.score_centering_top_k, self.temperature)
-        with capturing_generate(self.accelerator.unwrap_model(self.model_wrapped), capture):
+        if self.use_vllm:  # the kept set or top-k lists, and the sampled token's log-prob selected by id
+            return generate_vllm_with_topk(self, prompt_ids, images, num_generations, self._rpp_width)
+        if self._rpp_bound:  # the kept set and log q_S, after every warper
+            capture = SamplerSupportCapture(self._rpp_bound)
+        else:  # the top-k of the full softmax, before the (neutral) warpers
+            capture = SamplerTopKCapture(self.args.score_centering_top_k, self.temperature)
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        with capturing_generate(model, capture, last=self._rpp_bound is not None):
             out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
         self._rpp_captures.append(capture)
         return out
@@ -238,28 +266,67 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
     def _generate(self, prompts):
         self._rpp_captures = []  # one per `generate` call: the first turn, then each tool-loop iteration
         generated = super()._generate(prompts)
-        if self.args.score_centering:  # each model token's top-k (tool loop or rollout_func: `trl_rpp.multi_turn`)
-            generated, self._rpp_capture = sampler_topk_of_generation(self, generated)
+        if self._rpp_width:  # each model token's record (tool loop or rollout_func: `trl_rpp.multi_turn`)
+            generated, self._rpp_capture = sampler_topk_of_generation(self, generated, self._rpp_width)
+        if self._rpp_bound:  # the kept sets, read by GRPO's old and reference forwards that follow
+            completion_ids, tool_mask = generated[1], generated[2]
+            ids, logps, _ = self._rpp_capture.tensors(max((len(c) for c in completion_ids), default=0))
+            self._rpp_support = support_of(ids, logps).to(self.accelerator.device)
+            check_tokens_in_support(completion_ids, tool_mask, self._rpp_support)
         return generated
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **forward):
+        """GRPO's, or with a replayed truncating sampler `log pi(y | S_t)` over the generation batch's kept sets
+        (`trl_rpp.replay`): what GRPO's old-policy and reference forwards read, so its importance-sampling ratio and
+        the KL are taken over the sampler's support."""
+        if self._rpp_bound is None:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **forward
+            )
+        if self._rpp_support is None:
+            raise RuntimeError("replay_sampler_support: a log-prob forward outside a generation batch has no kept sets")
+        return self._replayed_logps(model, input_ids, attention_mask, logits_to_keep, self._rpp_support,
+                                    batch_size, compute_entropy, forward)
+
+    def _replayed_logps(self, model, input_ids, attention_mask, logits_to_keep, support, batch_size, entropy, forward):
+        extra = [name for name, value in forward.items() if value is not None]
+        if extra:  # multimodal inputs are rejected at construction (check_score_centering_support)
+            raise RuntimeError(f"replay_sampler_support: unexpected forward inputs {extra}")
+        return replayed_logps(model, input_ids, attention_mask, logits_to_keep, support, self.temperature,
+                              batch_size, entropy, self.accelerator.autocast)
 
     def _forward_logps(self, model, batch, **extra):
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         forward = {k: batch[k] for k in FORWARD_KEYS if batch.get(k) is not None}
-        return self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, batch["completion_ids"].size(1), **forward, **extra
-        )
+        T = batch["completion_ids"].size(1)
+        if self._rpp_bound is not None:
+            extra.pop("compute_aux_loss", None)  # an MoE aux loss is rejected at construction
+            return self._replayed_logps(model, input_ids, attention_mask, T, batch["sampler_support_ids"],
+                                        extra.get("batch_size"), extra.get("compute_entropy", False), forward)
+        return self._get_per_token_logps_and_entropies(model, input_ids, attention_mask, T, **forward, **extra)
 
     def _generate_and_score_completions(self, inputs):
-        with borrowed_beta(self, self._rpp_needs_ref):
-            batch = super()._generate_and_score_completions(inputs)
+        try:
+            with borrowed_beta(self, self._rpp_needs_ref):
+                batch = super()._generate_and_score_completions(inputs)
+        finally:
+            support, self._rpp_support = self._rpp_support, None
         mode = "train" if self.model.training else "eval"
-        if self.args.score_centering:
+        if self._rpp_width:
             capture, self._rpp_capture = self._rpp_capture, None
-            ids, head, sampled = capture.tensors(batch["completion_ids"].size(1))
-            device = batch["completion_ids"].device
-            batch["sampler_head_ids"], batch["sampler_head_logps"] = ids.to(device), head.to(device)
-            batch["sampler_per_token_logps"] = sampled.to(device)
+            T, device = batch["completion_ids"].size(1), batch["completion_ids"].device
+            ids, logps, sampled = capture.tensors(T)
+            batch["sampler_per_token_logps"] = sampled.to(device)  # log q (log q_S when truncated) of each token
+            if self._rpp_bound:
+                if support.size(1) != T:
+                    raise RuntimeError(f"replay_sampler_support: the kept sets cover {support.size(1)} positions, the "
+                                       f"batch's completions {T}")
+                batch["sampler_support_ids"] = support
+            if self.args.score_centering:  # the head: the top-k, or the kept set's first k ids
+                k = min(self.args.score_centering_top_k, self._rpp_width)
+                batch["sampler_head_ids"], batch["sampler_head_logps"] = ids[..., :k].to(device), logps[..., :k].to(device)
 
         # Raw rewards as GRPO sums them; rows that no reward function scored are "unscorable".
         rewards_per_func, self._rpp_rewards_per_func = self._rpp_rewards_per_func, None
@@ -378,6 +445,14 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         T = inputs["completion_ids"].size(1)
+        if self._rpp_bound is not None:  # log pi(. | S_t) at the sampled and the head ids (`trl_rpp.replay`)
+            support = inputs["sampler_support_ids"]
+            logits = completion_logits(model, input_ids, attention_mask, T, self.accelerator.autocast)
+            ids = torch.cat([inputs["completion_ids"].unsqueeze(-1), inputs["sampler_head_ids"]], dim=-1)
+            picked = support_logps(logits, ids, support, self.temperature)
+            kept = (support != ABSENT).any(-1)
+            logps = torch.where(kept, picked[..., 0], torch.zeros_like(picked[..., 0]))
+            return PolicyForward(logps, full_entropies(logits, self.temperature), head_logps=picked[..., 1:])
         with self.accelerator.autocast():
             logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1).logits
         # Nothing reads the logits after the backward: it may write their gradient in place (no second [B, T, V]).
@@ -405,9 +480,13 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         eps = (self.epsilon_low, self.epsilon_high)
         if fwd.head_logps is None:
             return response_mean_ppo_loss(fwd.logps, old_logps, advantages, mask, *eps, importance_weights=is_weights)
+        closed = None
+        if self._rpp_bound is not None:  # the head holds the whole kept set: no tail (`score_centering_coefficients`)
+            closed = head_is_whole_support(inputs["sampler_support_ids"], inputs["sampler_head_ids"].size(-1))
         return score_centered_ppo_loss(
             fwd.logps, old_logps, advantages, mask, fwd.head_logps, inputs["sampler_head_logps"], *eps,
             importance_weights=is_weights, weight_fn=self._rpp_weight_fn if is_weights is not None else None,
+            closed=closed,
         )
 
     def _kl_loss(self, logps, ref_logps, mask):

@@ -95,8 +95,13 @@ def as_list(x):
 
 
 def check_score_centering_support(trainer) -> None:
-    """Reject, at construction, the GRPO features whose sampling the top-k capture cannot see, and a model generation
-    config that changes the sampling distribution q."""
+    """Reject, at construction, the GRPO features whose sampling the sampler record (score centering's top-k, or a
+    replayed truncating sampler's kept sets) cannot see, and, with score centering, a model generation config that
+    changes the sampling distribution q other than by a replayed truncation."""
+    from .replay import truncating
+
+    users = [name for name, on in (("score_centering=True", trainer.args.score_centering),
+                                   ("a replayed truncating sampler", trainer._rpp_bound is not None)) if on]
     unsupported = [
         # The rollout's first turn would come with its own lists and the tool loop's turns from `generate`.
         ("rollout_func together with tools", trainer.rollout_func is not None and bool(trainer.tools)),
@@ -106,19 +111,20 @@ def check_score_centering_support(trainer) -> None:
     for name, present in unsupported:
         if present:
             raise ValueError(
-                f"score_centering=True does not support {name}: the sampler's top-k log-probs are captured "
+                f"{' and '.join(users)} does not support {name}: the sampler's log-probs are captured "
                 "token by token inside text `generate` calls (or returned by a rollout_func without tools)."
             )
-    if trainer.use_vllm:
+    if trainer.use_vllm or not trainer.args.score_centering:
         return  # vLLM samples with the config's settings, already checked by RPPConfig
     # The model's own generation config also shapes q: check what `generate` will actually use.
     model = trainer.accelerator.unwrap_model(trainer.model)
     merged = {**model.generation_config.to_dict(), **trainer.generation_kwargs}
-    check_exact_sampling(merged, trainer.temperature, where="the model's generation config: ")
+    replayed = truncating(merged, False) if trainer._rpp_bound is not None else ()
+    check_exact_sampling(merged, trainer.temperature, where="the model's generation config: ", replayed=replayed)
 
 
-def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations):
-    """GRPO's vLLM branch of `_generate_single_turn`, keeping the top-k lists (appended to
+def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations, k):
+    """GRPO's vLLM branch of `_generate_single_turn`, keeping the `k`-wide log-prob lists (appended to
     ``trainer._rpp_captures``) and selecting the sampled token's log-prob by id. Returns ``(completion_ids,
     sampled_logps)`` as GRPO's branch does."""
     from trl.extras.profiling import profiling_context
@@ -131,13 +137,14 @@ def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations):
         prompts=prompt_ids, images=images, num_generations=num_generations,
         profiler=profiling_context(trainer, "vLLM.generate"),
     )
-    sampled, recorded = parse_vllm_topk(completion_ids, logprobs, token_ids, trainer.args.score_centering_top_k)
+    sampled, recorded = parse_vllm_topk(completion_ids, logprobs, token_ids, k)
     trainer._rpp_captures.append(recorded)
     return completion_ids, sampled
 
 
-def sampler_topk_of_generation(trainer, generated):
-    """The sampler's top-k at the model tokens of GRPO's `_generate` output ``generated`` (its 8-tuple).
+def sampler_topk_of_generation(trainer, generated, k):
+    """The sampler's `k`-wide record (top-k or kept set) at the model tokens of GRPO's `_generate` output
+    ``generated`` (its 8-tuple).
 
     Returns ``(generated, capture)``: with a `rollout_func`, its ``logprobs`` (top-k lists, `rollout_sampler_topk`)
     replaced by the sampled tokens' log-probs that TRL expects, and a `RecordedTopK`; otherwise ``generated``
@@ -148,7 +155,7 @@ def sampler_topk_of_generation(trainer, generated):
     prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = generated
     if trainer.rollout_func is not None:
         sampled, recorded = rollout_sampler_topk(
-            completion_ids, logprobs, extra_fields.get("logprob_token_ids"), tool_mask, trainer.args.score_centering_top_k
+            completion_ids, logprobs, extra_fields.get("logprob_token_ids"), tool_mask, k
         )
         return (prompt_ids, completion_ids, tool_mask, completions, sampled, extra_fields, images, tool_images), recorded
     if not trainer.tools:

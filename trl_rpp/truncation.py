@@ -7,13 +7,15 @@ softmax `q`. A ratio or a score taken against `q_S` must use the trainer's polic
     log pi(y | S_t) = z_y / tau - logsumexp_{v in S_t} z_v / tau,
 
 with `z` the trainer's logits and `tau` the sampling temperature, the set held fixed from the sampler. Only the `K`
-logits of the kept ids are read, never a `[B, T, V]` softmax. The functions here are pure: the capture of `S_t` and
-the wiring into the losses live elsewhere.
+logits of the kept ids are read, never a `[B, T, V]` softmax. The functions here are pure, and `SamplerSupportCapture` records `S_t` inside transformers' `generate`; the wiring
+into the trainer lives in `trl_rpp.replay`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .sampling import SamplerTopKCapture
 
 ABSENT = -1  # the id of an empty slot of a support row
 
@@ -27,11 +29,39 @@ def support_logsumexp(logits: torch.Tensor, support_ids: torch.Tensor, temperatu
         temperature: the sampler's temperature, `> 0`.
 
     Returns:
-        `[B, T]` float32. A position whose row holds no id gives `-inf` (callers mask such positions).
+        `[B, T]` float32 (float64 for float64 logits). A position whose row holds no id gives `-inf` (callers mask
+        such positions).
     """
     present = support_ids != ABSENT
-    gathered = logits.float().gather(-1, support_ids.clamp(min=0)) / temperature
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    gathered = logits.gather(-1, support_ids.clamp(min=0)).to(acc) / temperature
     return gathered.masked_fill(~present, float("-inf")).logsumexp(-1)
+
+
+def support_logps(logits: torch.Tensor, ids: torch.Tensor, support_ids: torch.Tensor,
+                  temperature: float) -> torch.Tensor:
+    """`log pi(v | S_t)` of the ids `ids` at each position, renormalized over the kept set (with gradient).
+
+    Args:
+        logits: `[B, T, V]` the trainer's logits at each completion position.
+        ids: `[B, T, n]` int64 ids to read (each should be in its position's kept set; an id outside it gives a value
+            that is not a log-prob of `q_S`). Values at `ABSENT` slots are unspecified: callers mask them.
+        support_ids: `[B, T, K]` int64, the kept ids, padded with `ABSENT`.
+        temperature: the sampler's temperature, `> 0`.
+
+    Returns:
+        `[B, T, n]` float32 (float64 for float64 logits). The gradient reaches only the logits of `ids` and `S_t`.
+        A position whose row holds no id gives finite values of no meaning (callers mask them).
+    """
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    picked = logits.gather(-1, ids.clamp(min=0)).to(acc) / temperature
+    # A row without any id (padding, tool tokens) reads its first slot instead: a finite value the caller masks, where
+    # a logsumexp of nothing (-inf) would turn a zero upstream gradient into NaN in the backward.
+    empty = (support_ids == ABSENT).all(-1, keepdim=True)
+    first = torch.zeros_like(support_ids, dtype=torch.bool)
+    first[..., 0] = True
+    safe = support_ids.masked_fill(empty & first, 0)
+    return picked - support_logsumexp(logits, safe, temperature).to(acc).unsqueeze(-1)
 
 
 def truncated_logps(logits: torch.Tensor, token_ids: torch.Tensor, support_ids: torch.Tensor, mask: torch.Tensor,
@@ -47,14 +77,11 @@ def truncated_logps(logits: torch.Tensor, token_ids: torch.Tensor, support_ids: 
         temperature: the sampler's temperature, `> 0`.
 
     Returns:
-        `[B, T]` float32, `<= 0` at valid positions, exactly 0 elsewhere (whatever the logits or ids hold there).
+        `[B, T]` float32 (float64 for float64 logits), `<= 0` at valid positions, exactly 0 elsewhere (whatever the logits or ids hold there).
         A full-vocabulary support gives `log_softmax(logits / tau)` at `token_ids`.
     """
-    valid = mask.bool()
-    scaled = logits.float() / temperature
-    sampled = scaled.gather(-1, token_ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    out = sampled - support_logsumexp(logits, support_ids, temperature)
-    return torch.where(valid, out, torch.zeros_like(out))
+    out = support_logps(logits, token_ids.unsqueeze(-1), support_ids, temperature).squeeze(-1)
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
 
 
 def token_in_support(token_ids: torch.Tensor, support_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -64,66 +91,36 @@ def token_in_support(token_ids: torch.Tensor, support_ids: torch.Tensor, mask: t
     return inside | ~mask.bool()
 
 
-class SamplerSupportCapture:
-    """A logits processor that records, at every generation step, the ids the sampler kept: the finite scores after
-    every warper (`top_k`, `top_p`, `min_p`, `typical_p`, epsilon and eta cutoffs), as `[B, K]` rows padded with
-    `ABSENT`, `K = bound`. It must run last (`last_in_generate`): transformers applies its warpers after the custom
-    logits processors a caller passes. Returns the scores unchanged.
+def support_of(ids: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
+    """`[B, T, K]` kept ids, `ABSENT` where a sampler record (`ids`, `logps` `[B, T, K]`: the ids and processed
+    log-probs of `SamplerSupportCapture` or vLLM's `processed_logprobs`) holds no finite log-prob: a token the
+    sampler could not draw."""
+    return ids.masked_fill(~torch.isfinite(logps), ABSENT)
 
-    Memory is `O(B * T * bound)`; a step that kept more than `bound` ids fails `tensors`, naming the bound (a
-    `top_p` or `min_p` without a `top_k` can keep most of the vocabulary)."""
+
+class SamplerSupportCapture(SamplerTopKCapture):
+    """A logits processor that records, at every generation step, the ids the sampler kept and their log-probs under
+    the sampler, `log q_S`: the top-`bound` entries of the log-softmax of the scores after every warper
+    (temperature, `top_k`, `top_p`, `min_p`, `typical_p`, epsilon and eta cutoffs), which is `-inf` outside the kept
+    set. It must run after the warpers (`generate_with_processor(..., last=True)`): transformers applies them after
+    the custom logits processors a caller passes. `tensors(length)` gives `SamplerTopKCapture`'s
+    `(ids, logps, sampled_logps)`, `bound` wide; `support_of` turns them into kept ids.
+
+    Memory is `O(B * T * bound)`; a step that kept more than `bound` ids fails `tensors`, naming the bound (a `top_p`
+    or `min_p` without a `top_k` can keep most of the vocabulary)."""
 
     def __init__(self, bound: int):
-        self.bound = bound
-        self.ids, self.kept = [], []
+        super().__init__(bound, temperature=1.0)  # the scores it sees are already divided by the temperature
+        self.bound, self.kept = bound, []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        finite = torch.isfinite(scores)
-        self.kept.append(finite.sum(-1))
-        values, ids = scores.topk(min(self.bound, scores.size(-1)), dim=-1)
-        self.ids.append(ids.masked_fill(~torch.isfinite(values), ABSENT))
-        return scores
+        self.kept.append(torch.isfinite(scores).sum(-1))
+        return super().__call__(input_ids, scores)
 
-    def tensors(self, length: int) -> torch.Tensor:
-        """`[B, length, bound]` kept ids per generated position, cut or padded (with `ABSENT`) to `length`."""
-        if not self.ids:
-            raise RuntimeError("the support capture recorded no generation step")
-        most = int(torch.stack(self.kept).max())  # one host read per generation, after it
-        if most > self.bound:
-            raise ValueError(f"the sampler kept {most} tokens at one step, more than the support bound "
-                             f"{self.bound}; set top_k <= {self.bound} so that every kept set fits")
-        ids = torch.stack(self.ids, 1)[:, :length]
-        return torch.nn.functional.pad(ids, (0, 0, 0, length - ids.size(1)), value=ABSENT)
-
-
-def last_in_generate(model, processor):
-    """A context manager: within it, `model.generate` runs `processor` after every logits processor and warper it
-    builds (transformers' private `_get_logits_processor` is wrapped on the instance; where it is missing, this
-    raises, naming the transformers version)."""
-    from contextlib import contextmanager
-
-    import transformers
-
-    if not callable(getattr(model, "_get_logits_processor", None)):
-        raise RuntimeError(f"transformers {transformers.__version__} has no GenerationMixin._get_logits_processor: "
-                           "the sampler's support cannot be captured after its warpers")
-
-    @contextmanager
-    def block():
-        original, shadowed = model._get_logits_processor, model.__dict__.get("_get_logits_processor")
-
-        def with_processor_last(*args, **kwargs):
-            processors = original(*args, **kwargs)
-            processors.append(processor)
-            return processors
-
-        model._get_logits_processor = with_processor_last
-        try:
-            yield processor
-        finally:
-            if shadowed is None:
-                del model._get_logits_processor
-            else:
-                model._get_logits_processor = shadowed
-
-    return block()
+    def tensors(self, length: int):
+        if self.kept:
+            most = int(torch.stack(self.kept).max())  # one host read per generation, after it
+            if most > self.bound:
+                raise ValueError(f"the sampler kept {most} tokens at one step, more than the support bound "
+                                 f"{self.bound}; set top_k <= {self.bound} so that every kept set fits")
+        return super().tensors(length)

@@ -1,0 +1,149 @@
+"""Replay of a truncating sampler's kept support in `RPPTrainer` (`replay_sampler_support=True`, the default).
+
+With `top_k`, `top_p` or `min_p` (and, on transformers' path, `typical_p`, `epsilon_cutoff`, `eta_cutoff` or
+`top_h`), the sampler draws each token from `q_S = q / q(S_t)` over its kept set `S_t`. The trainer then reads every
+log-prob of a sampled token as `log pi(y | S_t)`, renormalized over the same set (`trl_rpp.truncation`):
+
+- the old policy's and the reference's at generation (GRPO's `_get_per_token_logps_and_entropies`, so TRL's vLLM
+  importance-sampling ratio `pi_old(y | S) / q_S(y)` is 1 on-policy, in every mode), and the policy's in the loss
+  (the PPO ratio);
+- the KL to the reference in both forms: k1 in the reward and k2 (or k1) in the loss compare `pi(. | S_t)` with
+  `pi_ref(. | S_t)`, both renormalized over the sampler's set. Samples come from `q_S`, so only then is the k1
+  mean an estimate of a KL (that of the two truncated distributions) and the k2 gradient that KL's gradient; the
+  full-vocabulary form adds `log pi(S_t) - log pi_ref(S_t)`, which samples from `q_S` never average out;
+- score centering: the sampler's head is the kept set's first `min(score_centering_top_k, top_k)` ids, and the
+  centered score `grad log pi(y | S) - E_{q_S}[grad log pi(. | S)]` is taken under `q_S` (no tail when the head
+  holds the whole set).
+
+Where the set comes from: transformers' `generate` records it after every warper (`SamplerSupportCapture`); vLLM
+returns it with `logprobs = top_k` and `logprobs_mode="processed_logprobs"` (the colocated engine's mode, and the
+one a server must run): the kept ids carry finite log-probs, the others `-inf`. The bound: `top_k` holds every kept
+set, so it must be set (1 to `MAX_SUPPORT`) whenever something truncates, as vLLM bounds its own log-probs.
+Memory is `O(B * T * top_k)` ids and log-probs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import unsupported
+from .sampling import NEUTRAL_SAMPLING, NEUTRAL_VLLM_SAMPLING
+from .truncation import ABSENT, support_logps
+
+MAX_SUPPORT = 256  # ids per position: 12 bytes each, and vLLM's Python lists of as many log-probs
+# The settings whose effect on q is a truncation to a kept set, which the replay reproduces exactly.
+REPLAYED = ("top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
+REPLAYED_VLLM = ("top_k", "top_p", "min_p")
+
+
+def truncating(settings: dict, vllm: bool) -> list[str]:
+    """The names of the replayed settings in `settings` (transformers' or, with `vllm`, vLLM's names) that truncate."""
+    neutral = NEUTRAL_VLLM_SAMPLING if vllm else NEUTRAL_SAMPLING
+    return [n for n in (REPLAYED_VLLM if vllm else REPLAYED) if n in settings and settings[n] not in neutral[n]]
+
+
+def support_bound(settings: dict, vllm: bool, replay: bool, where: str = "") -> int | None:
+    """The bound `K` of the kept sets (`top_k`) when `settings` truncate and `replay` is on, else None.
+
+    Raises `ValueError` naming `top_k` when something truncates without a `top_k` in 1..`MAX_SUPPORT`."""
+    names = truncating(settings, vllm)
+    if not (replay and names):
+        return None
+    top_k = settings.get("top_k")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_SUPPORT:
+        raise unsupported(
+            f"{where}top_k", top_k, f"an integer from 1 to {MAX_SUPPORT}",
+            under=f"{', '.join(names)} and replay_sampler_support=True",
+            why="The replay reads every kept set, and top_k bounds its size (and the memory it takes); set "
+            "replay_sampler_support=False to train on the full-vocabulary log-probs instead (biased).",
+        )
+    return top_k
+
+
+def replayed_logps(model, input_ids, attention_mask, logits_to_keep, support_ids, temperature, batch_size=None,
+                   compute_entropy=False, autocast=None):
+    """`log pi(y_t | S_t)` of the completion tokens, what GRPO's `_get_per_token_logps_and_entropies` returns but
+    renormalized over the kept sets. Chunked over rows as GRPO's; each chunk's logits are read at the kept ids only.
+
+    Args:
+        model: the causal LM (policy or reference).
+        input_ids, attention_mask: `[B, P + T]` prompt and completion.
+        logits_to_keep: `T`, the completion positions.
+        support_ids: `[B, T, K]` the kept ids, `ABSENT`-padded (`truncation.support_of`).
+        temperature: the sampling temperature.
+        batch_size: rows per forward (GRPO's chunking), all at once when None.
+        compute_entropy: also return the full-vocabulary entropies (no gradient), as GRPO logs them.
+        autocast: a context manager factory for the forward (the accelerator's), or None.
+
+    Returns:
+        `(logps [B, T], entropies [B, T] or None, None)`; logps are 0 where a position holds no kept id (padding,
+        tool tokens).
+    """
+    if support_ids.shape[:2] != (input_ids.size(0), logits_to_keep):
+        raise RuntimeError(f"the sampler's kept sets cover {tuple(support_ids.shape[:2])} completion positions, the "
+                           f"forward {(input_ids.size(0), logits_to_keep)}: they must describe the same batch")
+    batch_size = batch_size or input_ids.size(0)
+    all_logps, all_entropies = [], []
+    token_ids = input_ids[:, -logits_to_keep:]
+    for start in range(0, input_ids.size(0), batch_size):
+        rows = slice(start, start + batch_size)
+        logits = completion_logits(model, input_ids[rows], attention_mask[rows], logits_to_keep, autocast)
+        support = support_ids[rows]
+        logps = support_logps(logits, token_ids[rows].unsqueeze(-1), support, temperature).squeeze(-1)
+        all_logps.append(torch.where((support != ABSENT).any(-1), logps, torch.zeros_like(logps)))
+        if compute_entropy:
+            all_entropies.append(full_entropies(logits, temperature))
+    entropies = torch.cat(all_entropies) if compute_entropy else None
+    return torch.cat(all_logps), entropies, None
+
+
+def completion_logits(model, input_ids, attention_mask, logits_to_keep, autocast=None):
+    """`[B, T, V]` logits predicting the last `logits_to_keep` tokens of `input_ids`."""
+    from contextlib import nullcontext
+
+    with (autocast or nullcontext)():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1).logits
+    return logits[:, :-1]
+
+
+@torch.no_grad()
+def full_entropies(logits, temperature):
+    """`[B, T]` entropies of `softmax(logits / temperature)` over the whole vocabulary (what GRPO logs), one
+    response's `[T, V]` at a time, without gradient."""
+    from trl.trainer.utils import entropy_from_logits
+
+    return torch.stack([entropy_from_logits(row.float() / temperature) for row in logits])
+
+
+def head_is_whole_support(support_ids, head_width):
+    """`[B, T]` bool: the head (the kept set's first `head_width` ids) holds the whole kept set, so score centering's
+    tail is empty there."""
+    return (support_ids != ABSENT).sum(-1) <= head_width
+
+
+def check_tokens_in_support(completion_ids, tool_mask, support_ids):
+    """Raise `RuntimeError` when a sampled model token is not in its recorded kept set: the record would then not
+    describe the sampler (a misaligned capture, or a server that returns raw log-probs). One host read per
+    generation batch.
+
+    Args:
+        completion_ids: `B` lists of sampled ids (TRL's `_generate` output).
+        tool_mask: `B` lists of 0/1 (tool output tokens are 0), or None.
+        support_ids: `[B, T, K]` the kept ids, `ABSENT`-padded, `T >= max(len)`.
+    """
+    from .truncation import token_in_support
+
+    B, T = support_ids.shape[:2]
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    for b, ids in enumerate(completion_ids):
+        tokens[b, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
+        valid[b, : len(ids)] = True if tool_mask is None else torch.as_tensor(list(tool_mask[b]), dtype=torch.bool)
+    inside = token_in_support(tokens.to(support_ids.device), support_ids, valid.to(support_ids.device)).cpu()
+    if not bool(inside.all()):
+        b, t = (int(i) for i in torch.nonzero(~inside)[0])
+        raise RuntimeError(
+            f"the sampled token {int(tokens[b, t])} of completion {b}, position {t} is not among the {support_ids.size(-1)} "
+            "kept ids recorded for it: the record does not describe the sampler (a vLLM server must run "
+            "`--logprobs-mode processed_logprobs`)"
+        )
