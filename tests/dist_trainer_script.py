@@ -22,7 +22,11 @@ from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # no
 
 
 ESTIMATORS = ["reinforce_plus_plus", "reinforce_plus_plus_baseline"]
-CASES = ["reinforce_plus_plus:deferred", *(f"{e}:{mode}" for mode in ("groups", "mask_truncated") for e in ESTIMATORS)]
+CASES = ["reinforce_plus_plus:deferred", *(f"{e}:{mode}" for mode in ("groups", "mask_truncated") for e in ESTIMATORS),
+         "reinforce_plus_plus_baseline:replay"]
+# A truncating sampler replayed, with score centering and the k2 loss (tests/test_replay.py's single-process case).
+REPLAY = dict(top_k=6, top_p=0.9, temperature=0.8, score_centering=True, score_centering_top_k=6, max_grad_norm=0.0,
+              num_iterations=2, kl_loss_coef=0.1)
 
 
 def run_case(outdir, model_path, estimator, mode):
@@ -34,16 +38,29 @@ def run_case(outdir, model_path, estimator, mode):
 
         dataset = Dataset.from_list([{"prompt": "b:" if i % 2 == 0 else "a:"} for i in range(64)])
         extra.update(mask_truncated_completions=True, shuffle_dataset=False, num_generations=4)
+    if mode == "replay":
+        extra.update(REPLAY)
     args = make_args(
-        Path(outdir) / f"{estimator}-{mode}", estimator, gradient_accumulation_steps=1, steps_per_generation=1, max_steps=2,
+        Path(outdir) / f"{estimator}-{mode}", estimator, gradient_accumulation_steps=1, steps_per_generation=1,
+        max_steps=1 if mode == "replay" else 2,
         num_generations=extra.pop("num_generations", 8),  # by default one group of 8 straddles the two processes
         **extra,
     )
+    from transformers import TrainerCallback
+
+    grads = []
+
+    class GradCapture(TrainerCallback):  # after DDP's all-reduce, before the optimizer step
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            grads.append({n.removeprefix("module."): p.grad.detach().clone() for n, p in model.named_parameters()
+                          if p.grad is not None})
+
     trainer = CaptureTrainer(
         model=model_path,
         reward_funcs=[copy_first_char_reward, length_reward],
         args=args,
         train_dataset=dataset,
+        callbacks=[GradCapture()],
     )
     # "groups": REINFORCE++ returns built at generation (with an old-policy forward); "deferred": built in the loss.
     if mode == "groups":
@@ -58,6 +75,8 @@ def run_case(outdir, model_path, estimator, mode):
             loss_inputs=trainer.loss_inputs,
             logs=trainer.state.log_history,
             backend=torch.distributed.get_backend(),
+            args=trainer.args,
+            grads=grads,
         ),
         os.path.join(outdir, f"{estimator}-{mode}-rank{rank}.pt"),
     )

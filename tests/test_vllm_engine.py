@@ -434,6 +434,40 @@ def test_server_generation_gives_the_trainers_top_k(vllm_server, vllm_model):
     print(f"\nserver, k={K}: head vs trainer {head_gap:.3g}, sampled {sampled_gap:.3g} ({not_top1}/{positions} not top-1)")
 
 
+def test_server_generation_gives_the_kept_set_of_a_truncating_sampler(vllm_server, vllm_model):
+    """What RPPTrainer records from a server at top_k=6 (`replay_sampler_support`): with processed log-probs and
+    `logprobs=6`, the finite entries are the kept set, here the checkpoint's 6 most probable tokens at every
+    position, and their log-probs log q_S, the trainer's renormalized over them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_rpp.sampling import parse_vllm_topk
+    from trl_rpp.truncation import support_of
+
+    tok = AutoTokenizer.from_pretrained(vllm_model)
+    model = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32).eval()
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("a:", "bc:")]
+    out = vllm_server.generate(prompts, n=2, temperature=0.9, top_k=6, max_tokens=8, logprobs=6)
+    completions = out["completion_ids"]
+    _, recorded = parse_vllm_topk(completions, out["logprobs"], out["logprob_token_ids"], 6)
+    ids, logps, sampled = recorded.tensors(max(len(c) for c in completions))
+    support = support_of(ids, logps)
+    positions = 0
+    for b, completion in enumerate(completions):
+        prompt = prompts[b // 2]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double()
+        top = (logits / 0.9).topk(6, -1)
+        for t, token in enumerate(completion):
+            assert set(support[b, t].tolist()) == set(top.indices[t].tolist()), (b, t)
+            assert token in support[b, t].tolist()
+            log_q_s = torch.log_softmax(top.values[t], -1)
+            engine = dict(zip(ids[b, t].tolist(), logps[b, t].double().tolist()))
+            for v, want in zip(top.indices[t].tolist(), log_q_s.tolist()):
+                assert math.isclose(engine[v], want, abs_tol=LOGP_ATOL), (b, t, v, engine[v], want)
+            positions += 1
+    assert positions > 0
+
+
 def test_server_weight_sync_needs_cuda(vllm_server):
     """TRL streams the trainer's weights to a server over NCCL, which needs CUDA: on CPU the trainer cannot join
     the weight-transfer group (docs/vllm.md says what this leaves unverified)."""
