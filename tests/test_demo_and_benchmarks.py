@@ -96,8 +96,13 @@ def test_core_benchmark_runs_small():
 
 @pytest.mark.slow
 def test_step_time_benchmark_runs_small():
-    stdout = run(["benchmarks/step_time.py", "--rounds", "1", "--steps", "2", "--batch", "8", "--hidden", "32"])
-    assert "| rpp_baseline |" in stdout and "| grpo_beta0.04 |" in stdout
+    arms = "grpo_beta0.04,rpp_baseline,rpp_baseline_top_k,rpp_baseline_top_k_replay_score_centering"
+    stdout = run(["benchmarks/step_time.py", "--rounds", "1", "--steps", "2", "--batch", "8", "--hidden", "32", "--arms",
+                  arms, "--top_k", "6"])
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in stdout.splitlines() if line.startswith("| ")}
+    for arm in arms.split(","):
+        peak_rss, step_peak = float(rows[arm][4]), float(rows[arm][5].strip(" |"))
+        assert 0 <= step_peak < peak_rss, (arm, rows[arm])  # the step's own peak, not the process's
 
 
 @pytest.mark.slow
@@ -278,6 +283,6 @@ def test_vllm_benchmarks_run_small(tmp_path):
 def test_step_time_benchmark_with_vllm_runs_small():
     env = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", TRL_RPP_TESTS_VLLM="1")  # tests/harness
     out = run(["benchmarks/step_time.py", "--vllm", "--arms", "grpo_beta0.04,rpp_baseline_score_centering",
-               "--rounds", "1", "--steps", "2", "--batch", "8", "--hidden", "128"], timeout=600, env=env)
+               "--rounds", "1", "--steps", "2", "--batch", "8", "--hidden", "128", "--skip_memory"], timeout=600, env=env)
     assert "generation on a colocated vLLM engine" in out, out
     assert "| grpo_beta0.04 | " in out and "| rpp_baseline_score_centering | " in out, out
