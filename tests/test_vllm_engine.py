@@ -320,6 +320,44 @@ def test_without_replay_the_on_policy_ratio_is_the_kept_mass(single, vllm_model)
     assert logged[0] < 0.9
 
 
+# --- Faults and resume ---------------------------------------------------------------------------------------------
+
+
+def check_engine_failure(failure, process, processes, cause):
+    """The run stopped with `GenerationEngineError` naming the engine, the failing process, the step and the
+    checkpoint to resume from, right after the failing call; checkpoint-2 is complete and nothing was saved after."""
+    text = failure["error"]
+    assert text.startswith(f"the colocated vLLM engine failed on process {process} of {processes} while generating "
+                           "at step 2 (train): "), text
+    assert cause in text, text  # the failing engine's own exception, whatever its words
+    assert "checkpoint-2': fix the engine, then resume with resume_from_checkpoint=True" in text, text
+    assert failure["step"] == 2 and failure["checkpoints"] == ["checkpoint-2"], failure
+    assert failure["problems"] == {"checkpoint-2": "None"}, failure  # complete and loadable
+    if failure["seconds_to_raise"] is not None:  # measured on the failing process
+        assert failure["seconds_to_raise"] < 30, failure
+
+
+def test_a_failing_colocated_engine_stops_the_run_with_a_clear_error(single):
+    run = single["engine_fails"]
+    check_real_engine(run)
+    check_engine_failure(run["failure"], 0, 1, run["failure"]["cause"])
+    print(f"\nengine_fails: raised {run['failure']['seconds_to_raise']:.3f} s after the engine's error")
+
+
+def test_the_first_generation_after_a_resume_uses_the_resumed_weights(single):
+    """A run resumed from checkpoint-2: before its first generation the engine is synced to the resumed policy,
+    the first run's policy after step 2, not the checkpoint the engine was built from."""
+    run = single["resume_sync"]
+    check_sync(run)
+    at_step_2 = next(p for p in run["sync_probes"] if p["step"] == 2)
+    first = run["resumed_probes"][0]
+    assert first["step"] == 2, first["step"]
+    engine, resumed, initial = (torch.tensor(first[k], dtype=torch.float64) for k in ("engine", "trainer", "initial"))
+    assert (engine - resumed).abs().max().item() <= LOGP_ATOL
+    assert (resumed - torch.tensor(at_step_2["trainer"], dtype=torch.float64)).abs().max().item() <= LOGP_ATOL
+    assert (engine - initial).abs().max().item() > MIN_MOVE
+
+
 # --- Two processes, one engine each ------------------------------------------------------------------------------
 
 
@@ -499,3 +537,14 @@ def test_zero3_syncs_the_gathered_weights_into_each_engine(zero3):
         assert facts["ds_numel"] > 0 and facts["partition_numel"] == facts["ds_numel"] // 2, facts
         moved = check_sync(zero3[r])
         print(f"\nZeRO-3 rank {r}: engine vs trainer <= {LOGP_ATOL} at every generation, policy moved {moved:.3g}")
+
+
+def test_a_failing_engine_on_one_process_stops_every_process(ddp):
+    """Process 1's engine raises at step 3, process 0's does not: both raise the same error naming process 1, and
+    neither waits at a collective (the launch would time out)."""
+    ranks = ddp["dist_engine_fails"]
+    for r in (0, 1):
+        check_real_engine(ranks[r])
+        check_engine_failure(ranks[r]["failure"], 1, 2, ranks[1]["failure"]["cause"])
+    assert ranks[0]["failure"]["error"] == ranks[1]["failure"]["error"]
+    assert ranks[0]["failure"]["seconds_to_raise"] is None and ranks[1]["failure"]["seconds_to_raise"] is not None

@@ -180,13 +180,23 @@ SINGLE = {
            ("replay_top_k", "reinforce_plus_plus_baseline", dict(top_k=6, score_centering=True, score_centering_top_k=6)),
            ("replay_top_p", "reinforce_plus_plus", dict(top_k=46, top_p=0.5)),
            ("full_top_k", "reinforce_plus_plus", dict(top_k=6, replay_sampler_support=False)))},
+    # Faults and resume (docs/robustness.md): the engine raises at step 3 (a prompt longer than its context);
+    # a run resumed from checkpoint-2 generates its first batch with the resumed weights.
+    "engine_fails": ("reinforce_plus_plus_baseline", dict(vllm_dtype="float32", max_steps=4, save_strategy="steps",
+                                                          save_steps=2, shuffle_dataset=False), False),
+    "resume_sync": ("reinforce_plus_plus", dict(vllm_dtype="float32", max_steps=3, save_strategy="steps", save_steps=2,
+                                                steps_per_generation=2, gradient_accumulation_steps=2), False),
 }
+LONG_PROMPT = "a" * 80 + ":"  # 81 tokens of the character tokenizer: more than the engine's 64-token context
 # Two processes, one engine each: the normalization population is the union of both processes' completions.
 DISTRIBUTED = {
     "dist_baseline_sc32": ("reinforce_plus_plus_baseline",
                            dict(vllm_dtype="float32", max_steps=2, score_centering=True, score_centering_top_k=32,
                                 vllm_importance_sampling_mode="token_truncate"), False),
     "dist_rpp": ("reinforce_plus_plus", dict(vllm_dtype="float32", max_steps=2, kl_coef=0.05), False),
+    # Process 1's engine raises at step 3; process 0's does not.
+    "dist_engine_fails": ("reinforce_plus_plus_baseline", dict(vllm_dtype="float32", max_steps=4, save_strategy="steps",
+                                                               save_steps=2, shuffle_dataset=False), False),
 }
 ZERO3 = {"zero3_rpp_sync": ("reinforce_plus_plus", dict(vllm_dtype="float32", max_steps=3, kl_coef=0.05), False)}
 
@@ -206,6 +216,61 @@ def make_config(outdir, name, estimator, overrides, zero3=False):
     return RPPConfig(**base)
 
 
+def failing_dataset(processes):
+    """16 prompts in order (shuffle_dataset=False), 2 per process and step, the processes taking consecutive pairs:
+    the third step takes rows 4-5 on one process, 8-11 on two. The last process's first prompt of that step does not
+    fit the engine's context."""
+    from datasets import Dataset
+
+    rows = copy_task_dataset(16, seed=1).to_list()
+    rows[4 * processes + 2 * (processes - 1)] = {"prompt": LONG_PROMPT}
+    return Dataset.from_list(rows)
+
+
+def train_until_the_engine_fails(trainer):
+    """`train()`, which must raise `GenerationEngineError` on this process: what it says, how long after the failing
+    engine call, and the checkpoints left."""
+    import time
+
+    from trl_rpp.checkpoint import checkpoint_problem, layout_of
+    from trl_rpp.engine_faults import GenerationEngineError
+
+    calls = trainer.vllm_generation.llm.generate
+    failed_at = []
+
+    def generate(*a, **kw):
+        try:
+            return calls(*a, **kw)
+        except Exception:
+            failed_at.append(time.monotonic())
+            raise
+
+    trainer.vllm_generation.llm.generate = generate
+    try:
+        trainer.train()
+    except GenerationEngineError as err:
+        out = trainer.args.output_dir
+        folders = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))
+        return {"error": str(err), "cause": repr(err.__cause__), "seconds_to_raise": time.monotonic() - failed_at[0]
+                if failed_at else None, "step": trainer.state.global_step, "checkpoints": folders,
+                "problems": {d: str(checkpoint_problem(os.path.join(out, d), layout_of(trainer))) for d in folders}}
+    raise AssertionError("train() returned although the engine failed")
+
+
+def resumed_first_probe(outdir, model_path, name, spec, initial_probe):
+    """A second trainer resumed from the first one's checkpoint-2: its engine's log-probs at the first generation,
+    next to the resumed policy's and the initial weights'."""
+    estimator, overrides, _ = spec
+    args = make_config(outdir, name, estimator, overrides)
+    trainer = ProbingTrainer(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
+                             train_dataset=copy_task_dataset(64, seed=1), initial_probe=initial_probe)
+    trainer.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
+    probes = trainer.sync_probes
+    del trainer
+    gc.collect()
+    return probes
+
+
 def run_case(outdir, model_path, name, spec, initial_probe, zero3=False):
     from accelerate.utils import is_peft_model
     from peft import LoraConfig
@@ -213,11 +278,13 @@ def run_case(outdir, model_path, name, spec, initial_probe, zero3=False):
     estimator, overrides, lora = spec
     args = make_config(outdir, name, estimator, overrides, zero3)
     peft = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0) if lora else None
+    fails = name.endswith("engine_fails")
     trainer = ProbingTrainer(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
-                             train_dataset=copy_task_dataset(64, seed=1), peft_config=peft, initial_probe=initial_probe,
+                             train_dataset=failing_dataset(args.world_size) if fails else copy_task_dataset(64, seed=1),
+                             peft_config=peft, initial_probe=initial_probe,
                              cycle_is_modes=name.startswith("is_reinforce"))
     sampler_logps_recorder(trainer)
-    trainer.train()
+    failure = train_until_the_engine_fails(trainer) if fails else trainer.train()
     engine = trainer.vllm_generation.llm.llm_engine
     result = {
         "facts": {"num_processes": trainer.accelerator.num_processes, "rank": trainer.accelerator.process_index,
@@ -240,6 +307,8 @@ def run_case(outdir, model_path, name, spec, initial_probe, zero3=False):
             for b in trainer.generation_batches
         ]),
     }
+    if fails:
+        result["failure"] = failure
     if hasattr(engine.model_config, "logprobs_mode"):
         result["facts"]["logprobs_mode"] = str(engine.model_config.logprobs_mode)
     if "zero3" in name:
@@ -250,6 +319,8 @@ def run_case(outdir, model_path, name, spec, initial_probe, zero3=False):
                                partition_numel=int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else -1)
     del trainer
     gc.collect()
+    if name == "resume_sync":
+        result["resumed_probes"] = resumed_first_probe(outdir, model_path, name, spec, initial_probe)
     return result
 
 

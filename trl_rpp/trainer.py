@@ -14,7 +14,9 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
                                        sets and log q_S), per call (or a rollout_func's lists), aligned to the model
                                        tokens of the final completions (`trl_rpp.multi_turn`) -> self._rpp_capture;
                                        with replay, the kept ids [B, T, K]                   -> self._rpp_support
-          _generate_single_turn        once per turn (the tool loop calls it again): the record -> self._rpp_captures
+          _generate_single_turn        once per turn (the tool loop calls it again): the record -> self._rpp_captures;
+                                       with vLLM, an engine failure        -> self._rpp_engine_faults, raised on
+                                       every process right after GRPO's `_generate` (`trl_rpp.engine_faults`)
         _get_per_token_logps_and_entropies   GRPO's pi_old and reference forwards: with replay, log pi(y | S_t)
                                        over self._rpp_support (`trl_rpp.replay`), so TRL's IS ratio is exact
         _calculate_rewards             raw rewards [B_global, n_reward_funcs]      -> self._rpp_rewards_per_func
@@ -55,6 +57,7 @@ from .config import RPPConfig
 from .core import global_masked_normalize, group_centered_rewards, kl_k1, masked_response_mean, reinforce_pp_returns
 from .core import response_mean_k2_loss, response_mean_ppo_loss
 from .distributed import check_normalization_group
+from .engine_faults import EngineFaults
 from .grad_guard import GradGuardMixin
 from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .preemption import Preemption
@@ -134,6 +137,9 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
        forward (PPO ratio, KL) and score centering; TRL's vLLM importance-sampling ratio is then 1 on-policy, where
        GRPO's is the kept mass. `replay_sampler_support=False` keeps GRPO's full-vocabulary log-probs
        (`trl_rpp.replay`).
+    15. **A failing vLLM engine.** An exception from the engine on any process becomes the same
+       `GenerationEngineError` on every process after GRPO's `_generate`, naming the engine, the process, the step and
+       the checkpoint to resume from (`trl_rpp.engine_faults`).
     """
 
     _tag_names = ["trl", "rpp", "reinforce-plus-plus"]
@@ -185,6 +191,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             self.vllm_generation.logprobs = self._rpp_width
         self._rpp_rewards_per_func = None
         self._rpp_capture, self._rpp_captures, self._rpp_support = None, [], None
+        self._rpp_engine_faults = EngineFaults()  # a vLLM engine that raises (trl_rpp.engine_faults)
         if self._rpp_width:
             check_score_centering_support(self)
             self._rpp_weight_fn = importance_weight_fn(self)  # TRL's token-level sampler correction f(ratio), or None
@@ -249,23 +256,30 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         return rewards_per_func
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
+        parent = super()._generate_single_turn
+        if self.use_vllm:  # a failure is settled across processes after `_generate` (trl_rpp.engine_faults)
+            if self._rpp_width:  # the kept set or top-k lists, and the sampled token's log-prob selected by id
+                generate = lambda: generate_vllm_with_topk(self, prompt_ids, images, num_generations, self._rpp_width)  # noqa: E731
+            else:
+                generate = lambda: parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)  # noqa: E731
+            return self._rpp_engine_faults.guard(self, generate, prompt_ids)
         if not self._rpp_width:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
-        if self.use_vllm:  # the kept set or top-k lists, and the sampled token's log-prob selected by id
-            return generate_vllm_with_topk(self, prompt_ids, images, num_generations, self._rpp_width)
+            return parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
         if self._rpp_bound:  # the kept set and log q_S, after every warper
             capture = SamplerSupportCapture(self._rpp_bound)
         else:  # the top-k of the full softmax, before the (neutral) warpers
             capture = SamplerTopKCapture(self.args.score_centering_top_k, self.temperature)
         model = self.accelerator.unwrap_model(self.model_wrapped)
         with capturing_generate(model, capture, last=self._rpp_bound is not None):
-            out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
+            out = parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
         self._rpp_captures.append(capture)
         return out
 
     def _generate(self, prompts):
         self._rpp_captures = []  # one per `generate` call: the first turn, then each tool-loop iteration
         generated = super()._generate(prompts)
+        if self.use_vllm:
+            self._rpp_engine_faults.settle(self)  # a failed engine raises here, on every process
         if self._rpp_width:  # each model token's record (tool loop or rollout_func: `trl_rpp.multi_turn`)
             generated, self._rpp_capture = sampler_topk_of_generation(self, generated, self._rpp_width)
         if self._rpp_bound:  # the kept sets, read by GRPO's old and reference forwards that follow

@@ -1,0 +1,80 @@
+"""A vLLM engine that fails during generation: the same `GenerationEngineError` on every process.
+
+When the colocated engine (or a server's client) raises on one process, the others would go on to the next
+collective, TRL's gather of the completion lengths, and wait there until the backend's timeout (30 minutes by
+default on gloo and NCCL), or the failing process's traceback would be all a user sees, from deep inside vLLM.
+Instead, the failing call returns empty completions (one EOS each) so that this process takes part in TRL's
+collectives of the generation batch like the others, and right after TRL's `_generate` every process learns of every
+failure (one gather of a flag per generation batch, with several processes) and raises the same error. It names the
+engine, the process, the step and the cause, and the checkpoint a resume would start from; nothing is trained on
+the empty completions, and no checkpoint is written after the failure.
+
+Not covered: a failure inside the weight sync under ZeRO-3 or FSDP, after some processes entered its gathers
+(those wait for the backend's timeout), and a server that accepts a request and never answers (TRL's client sets
+no timeout on it).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class GenerationEngineError(RuntimeError):
+    """The generation engine raised on at least one process; raised on every process, chained to the cause."""
+
+
+def engine_name(trainer) -> str:
+    if trainer.vllm_generation.mode == "server":
+        return f"the vLLM server at {trainer.vllm_generation.vllm_client.base_url}"
+    return "the colocated vLLM engine"
+
+
+class EngineFaults:
+    """The failure of this generation batch on this process (`guard`), settled across processes (`settle`)."""
+
+    def __init__(self):
+        self.failure = None
+
+    def guard(self, trainer, generate, prompt_ids):
+        """`generate()`, or, when it raises, one EOS per prompt (and a log-prob of 0 for it) so that this process
+        reaches TRL's collectives; the first failure of the batch is kept for `settle`."""
+        try:
+            return generate()
+        except Exception as err:  # not KeyboardInterrupt or SystemExit: those stop the run as they are
+            if self.failure is None:
+                self.failure = err
+            eos = trainer.eos_token_ids[0] if isinstance(trainer.eos_token_ids, (list, tuple)) else trainer.eos_token_ids
+            return [[eos] for _ in prompt_ids], [[0.0] for _ in prompt_ids]
+
+    def settle(self, trainer):
+        """After TRL's `_generate` on every process: raise the same `GenerationEngineError` everywhere when any
+        process's engine failed, naming the first failing process (one gather, one host read, with several)."""
+        failure, self.failure = self.failure, None
+        acc = trainer.accelerator
+        if acc.num_processes > 1:
+            import torch
+            from accelerate.utils import gather_object
+
+            failed = acc.gather(torch.tensor([failure is not None], device=acc.device)).any().item()
+            if not failed:
+                return
+            reports = gather_object([None if failure is None else (acc.process_index, repr(failure))])
+        elif failure is None:
+            return
+        else:
+            reports = [(0, repr(failure))]
+        process, cause = next(r for r in reports if r is not None)
+        raise GenerationEngineError(message(trainer, process, cause)) from failure
+
+
+def message(trainer, process, cause) -> str:
+    from .checkpoint import layout_of, newest_complete_checkpoint
+
+    out = trainer.args.output_dir
+    newest, _ = newest_complete_checkpoint(out, layout_of(trainer)) if os.path.isdir(out) else (None, [])
+    resume = (f"the newest complete checkpoint is {newest!r}: fix the engine, then resume with "
+              "resume_from_checkpoint=True" if newest else "no complete checkpoint was saved yet")
+    mode = "train" if trainer.model.training else "eval"
+    return (f"{engine_name(trainer)} failed on process {process} of {trainer.accelerator.num_processes} while "
+            f"generating at step {trainer.state.global_step} ({mode}): {cause}. The run stops on every process; "
+            f"{resume}.")
