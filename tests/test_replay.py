@@ -256,3 +256,26 @@ def test_accumulated_gradient_equals_the_replayed_float64_reference(tmp_path, ti
     assert set(want) == set(grads[0])
     for name, g in grads[0].items():
         torch.testing.assert_close(g.double(), want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_closed_head_drops_the_tail_term_whose_gradient_is_zero_anyway():
+    """Head = the whole kept set, p and q renormalized over it: `closed` makes the coefficients q_v exactly (q_v f(r_v)
+    with a weight), and the correction's gradient is the same as without it, since the dropped rho * p term's
+    gradient is rho * grad sum_S p = 0 (float64, by hand: q = (0.5, 0.3, 0.2 - 1e-7), a tail of 1e-7 from rounding)."""
+    from trl_rpp.score_centering import score_centering_coefficients, score_centering_correction
+
+    z = torch.tensor([[[1.0, 0.2, -0.5]]], dtype=torch.float64, requires_grad=True)
+    head_logps = torch.log_softmax(z, -1)  # p over the kept set
+    q = torch.tensor([[[0.5, 0.3, 0.2 - 1e-7]]], dtype=torch.float64)
+    mask, closed = torch.ones(1, 1, dtype=torch.bool), torch.ones(1, 1, dtype=torch.bool)
+    coeff, _, _ = score_centering_coefficients(head_logps, q.log(), mask, closed=closed)
+    torch.testing.assert_close(coeff, q, rtol=0, atol=0)
+    open_coeff, _, _ = score_centering_coefficients(head_logps, q.log(), mask)
+    assert (open_coeff - q).abs().max() > 1e-3  # 1e-7 / min_tail_mass = 0.1 of p subtracted without `closed`
+    grads = []
+    for c in (closed, None):
+        correction = score_centering_correction(torch.log_softmax(z, -1), q.log(), mask, closed=c)
+        (g,) = torch.autograd.grad(correction.sum(), z)
+        grads.append(g)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-12)
+    torch.testing.assert_close(grads[0][0, 0], q[0, 0] - torch.softmax(z.detach(), -1)[0, 0] * q.sum(), rtol=0, atol=1e-12)
