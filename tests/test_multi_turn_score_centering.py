@@ -223,6 +223,36 @@ def test_tool_loop_heads_are_the_sampler_distribution(tool_model, tool_runs, kin
 
 
 @pytest.mark.slow
+def test_tool_loop_with_a_replayed_truncation(tool_model, tmp_path):
+    """top_k=5 replayed through TRL's tool loop, score centering on: tool tokens carry no kept set (their loss mask
+    excludes them), every model token's recorded set is the initial model's 5 most probable tokens, with log q_S the
+    float64 recompute renormalized over them, and the step trains."""
+    from trl_rpp.truncation import ABSENT
+
+    args = make_args(
+        tmp_path, "reinforce_plus_plus_baseline", score_centering=True, score_centering_top_k=5, top_k=5,
+        temperature=TEMPERATURE, max_completion_length=41, max_steps=1, per_device_train_batch_size=8,
+        gradient_accumulation_steps=1, steps_per_generation=1, reward_weights=None,
+    )
+    trainer = CaptureTrainer(model=tool_model, reward_funcs=correct_product_reward, args=args,
+                             train_dataset=tool_dataset(8, greeting_every=2), tools=[multiply])
+    trainer.train()
+    batch = trainer.generation_batches[0]
+    model_tokens = token_mask(batch)
+    assert (~batch["tool_mask"].bool() & batch["completion_mask"].bool()).any(), "no tool result in the completions"
+    support = batch["sampler_support_ids"]
+    assert support[~model_tokens].eq(ABSENT).all()
+    logq = sampler_logq(tool_model, batch)
+    top = logq.topk(5, -1)
+    assert torch.equal(support[model_tokens].sort(-1).values, top.indices[model_tokens].sort(-1).values)
+    log_q_s = torch.log_softmax(top.values, -1)  # log q renormalized over the kept 5, in rank order
+    torch.testing.assert_close(batch["sampler_head_logps"][model_tokens].double(), log_q_s[model_tokens],
+                               rtol=0, atol=1e-4)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses and all(math.isfinite(x) for x in losses)
+
+
+@pytest.mark.slow
 def test_rollout_func_heads_are_the_sampler_distribution(tool_model, tmp_path):
     trainer = run(tool_model, tmp_path, rollout_func=example.make_rollout_func(K, TEMPERATURE))
     batch = trainer.generation_batches[0]
