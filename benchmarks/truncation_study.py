@@ -222,9 +222,9 @@ def run_one(arm: str, seed: int, opts):
     trainer = truncation_trainer(RPPTrainer, arm)(
         model=path, reward_funcs=copy_credit_reward, args=args, train_dataset=Dataset.from_list(train),
         processing_class=tokenizer, callbacks=[clock])
-    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    before = evaluate(model)
+    before = evaluate(trainer.accelerator.unwrap_model(trainer.model_wrapped))
     trainer.train()
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     after = evaluate(model)
     after["greedy_credit"] = greedy_credit(model, tokenizer, heldout, max_new)
     curves = {key: [[0, before[key]]] + [[s, e[key]] for s, e in clock.curve] for key in before}
