@@ -359,14 +359,19 @@ def sampled_trainer(base, generating, correct=None, weight_fn=None, setup=None, 
       trainer's log-probs at generation ``old`` ``[B, T]`` and ``diff = log p_old - log q`` ``[B, T]`` (0 at padding);
     - ``weight_fn``: replaces ``RPPTrainer._rpp_weight_fn`` (score centering's coefficient reweighting).
 
-    The sampler's log q per token reaches the trainer by score centering's own top-k capture (a logits processor
-    inside the sampler's ``generate``) when the config turns it on, else by a top-1 capture of the sampled token.
+    The sampler's log q per token reaches the trainer by the trainer's own record when it keeps one (score
+    centering's top-k capture, or the replay's kept sets with `replay_sampler_support`: ``log q_S``), else by a
+    capture of the sampled token's log-prob inside the sampler's ``generate``: after every warper when the sampler
+    truncates (`SamplerSupportCapture`, bounded by `top_k`: ``log q_S``, what vLLM's processed log-probs give TRL),
+    else a top-1 capture of the full softmax.
     Every arm runs one no-grad trainer forward per generation batch for ``mismatch/abs_log_ratio_mean`` (the
     corrections need it for the ratio anyway), so step times stay comparable across arms.
     """
     import torch
 
+    from trl_rpp.replay import support_bound
     from trl_rpp.sampling import SamplerTopKCapture, capturing_generate
+    from trl_rpp.truncation import SamplerSupportCapture
 
     class SampledTrainer(base):
         def __init__(self, *args, **kwargs):
@@ -379,11 +384,14 @@ def sampled_trainer(base, generating, correct=None, weight_fn=None, setup=None, 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
             model = self.accelerator.unwrap_model(self.model_wrapped)
             with generating(model, self.state.global_step):
-                if self.args.score_centering:  # RPPTrainer's own capture wraps the sampler's generate
+                if self._rpp_width:  # RPPTrainer's own capture (score centering, replay) wraps the sampler's generate
                     self._q_capture = None
                     return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
-                self._q_capture = SamplerTopKCapture(1, self.temperature)
-                with capturing_generate(model, self._q_capture):
+                a = self.args
+                settings = dict(top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, **(a.generation_kwargs or {}))
+                bound = support_bound(settings, vllm=False, replay=True)  # top_k when something truncates, else None
+                self._q_capture = SamplerTopKCapture(1, self.temperature) if bound is None else SamplerSupportCapture(bound)
+                with capturing_generate(model, self._q_capture, last=bound is not None):
                     return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
 
         def _generate_and_score_completions(self, inputs):
@@ -422,10 +430,12 @@ def mismatch_trainer(base, sampler: Sampler, correction: str):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def copy_prob(model, tokenizer, rows, logit_bias=None, batch_size: int = 128) -> float:
+def copy_prob(model, tokenizer, rows, logit_bias=None, batch_size: int = 128, top_k: int | None = None) -> float:
     """Mean over `rows` of the teacher-forced probability (temperature 1) of each answer character given the prompt
     and the answer's previous characters, averaged over the answer's positions: the expected per-position credit of
-    sampling one position on the right prefix. ``logit_bias`` ``[V]`` is added to the logits (a biased sampler)."""
+    sampling one position on the right prefix. ``logit_bias`` ``[V]`` is added to the logits (a biased sampler);
+    with `top_k` the probability is the truncated sampler's, ``q_S`` over the top-k ids (transformers' top-k rule,
+    ties kept), 0 for an answer outside them (study 5)."""
     import torch
 
     was_training = model.training
@@ -448,6 +458,9 @@ def copy_prob(model, tokenizer, rows, logit_bias=None, batch_size: int = 128) ->
             logits = model(input_ids=ids.to(model.device), attention_mask=attention.to(model.device)).logits.float()
             if logit_bias is not None:
                 logits = logits + logit_bias.to(logits.device)
+            if top_k is not None:
+                kth = logits.topk(top_k, dim=-1).values[..., -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
             logp = torch.log_softmax(logits, -1)
             for i, (p0, n) in enumerate(spans):
                 pos = torch.arange(p0 - 1, p0 - 1 + n, device=logp.device)

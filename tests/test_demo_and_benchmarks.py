@@ -286,3 +286,58 @@ def test_step_time_benchmark_with_vllm_runs_small():
                "--rounds", "1", "--steps", "2", "--batch", "8", "--hidden", "128", "--skip_memory"], timeout=600, env=env)
     assert "generation on a colocated vLLM engine" in out, out
     assert "| grpo_beta0.04 | " in out and "| rpp_baseline_score_centering | " in out, out
+
+
+@pytest.fixture
+def restored_threads():
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_truncation_study_arms_apply_what_they_say(tmp_path, tiny_model, restored_threads, capsys):
+    """Study 5 (benchmarks/truncation_study.py) at 2 steps, every arm in this process: on the first, on-policy step
+    at top_k=6, the replay makes TRL's token weights 1 (to 1e-5), without it they are the trainer's kept mass
+    pi_old(S) < 1, token_mask at [0.5, 3] drops every token (the mass is below 0.5), and the arms without a
+    correction apply none. Then the sweep resumes (skips every finished run) and `--report` reads the files."""
+    import argparse
+    import shutil
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import truncation_study as ts
+
+    shutil.copytree(tiny_model, tmp_path / "tiny-model")
+    opts = argparse.Namespace(out=str(tmp_path), threads=1, steps=2, prompts=8, generations=8, lr=3e-3, top_k=6,
+                              heldout=16, eval_every=1, lengths=[1, 2, 3], jobs=1, seeds=[0], arms=list(ts.ARMS))
+    runs = {arm: ts.run_one(arm, 0, opts) for arm in ts.ARMS}
+    first = {arm: r["first_step"] for arm, r in runs.items()}
+    for arm, f in first.items():
+        assert 0.05 < f["truncation/kept_mass_mean"] < 0.5, (arm, f)  # top_k=6 of 46 ids truncates a lot
+    for arm in ("replay_tis", "replay_mask"):
+        assert first[arm]["truncation/is_weight_max_abs_dev"] <= 1e-5, first[arm]
+        assert first[arm]["truncation/is_masked_fraction"] == 0.0
+    assert first["full_tis"]["truncation/weight_minus_kept_mass_max"] <= 1e-5, first["full_tis"]
+    assert first["full_tis"]["truncation/is_weight_mean"] < 0.5 and first["full_tis"]["truncation/is_masked_fraction"] == 0
+    assert first["full_mask"]["truncation/is_masked_fraction"] == 1.0 and first["full_mask"]["truncation/is_weight_mean"] == 0
+    assert runs["full_mask"]["series"]["grad_norm"] == [0.0, 0.0]  # nothing left to learn from
+    for arm in ("full", "replay"):  # no correction: nothing weighted
+        assert first[arm]["truncation/is_weight_max_abs_dev"] == 0.0
+    for arm in ("full", "replay", "full_tis", "replay_tis", "replay_mask"):
+        assert runs[arm]["series"]["grad_norm"][0] > 0, arm
+    for r in runs.values():
+        assert [st for st, _ in r["curves"]["sampler_copy_prob"]] == [0, 1, 2]
+        assert 0 < r["sampler_copy_prob_after"] < 1 and r["replay_sampler_support"] == r["arm"].startswith("replay")
+    # Scored under the truncated sampler, the answer's probability is the renormalized one: higher than the full softmax's.
+    assert runs["full"]["sampler_copy_prob_before"] > runs["full"]["copy_prob_before"]
+    ts.sweep(opts)
+    out = capsys.readouterr().out
+    assert out.count("done earlier, skipped") == len(ts.ARMS) and "running" not in out
+    run(["benchmarks/truncation_study.py", "--report", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["arms"]) == set(ts.ARMS)
+    assert report["arms"]["full_tis"]["is_weight_step1"] == pytest.approx(report["arms"]["full_tis"]["kept_mass_step1"], abs=1e-5)
+    assert set(report["contrasts"]) == {name for name, _, _ in ts.CONTRASTS}
+    assert "H1: replay_tis − full_tis" in (tmp_path / "report.md").read_text()
