@@ -26,6 +26,10 @@ score_centering: a random-init model shaped like Qwen3-0.6B (28 layers, hidden 1
     and the process's peak (cuda: `torch.cuda.max_memory_allocated`; cpu: peak RSS as in
     score_centering_memory.py). Targets, on vs off: memory <= 1.10x (on the step's peak above its start), time
     <= 1.05x; reported as pass/fail, they do not change the exit code.
+sampling: the same model and loss step, four arms at `top_k=20`: no correction (`replay_sampler_support=False`,
+    GRPO's fused log-prob head), the kept set replayed, score centering (no truncation, k = 32), and both (the head
+    the whole kept set). Reported: each arm's median step time and step peak, as ratios to no correction; target
+    <= 1.03x the time (pass/fail, not the exit code). The capture at generation is not part of this step.
 step_time: `RPPTrainer` (reinforce_plus_plus and reinforce_plus_plus_baseline) against `GRPOTrainer(beta=0.04)`
     on that same model, bf16, transformers generation of a fixed length (`min_new_tokens` = max_completion_length,
     so no early EOS), arms alternating in one process as in benchmarks/step_time.py; the first step of each round
@@ -63,11 +67,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 # Seconds per part (child process); their sum plus the model build stays under 8 minutes on one H200.
-BUDGETS_S = {"numerics": 90, "score_centering": 150, "step_time": 200}
+BUDGETS_S = {"numerics": 90, "score_centering": 120, "sampling": 60, "step_time": 180}
 ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 TOL_F32 = {"advantages": dict(rtol=1e-5, atol=1e-5), "gradient": dict(rtol=1e-4, atol=1e-6)}
 TOL_BF16_GRAD_REL_L2 = 2.0**-3
 MEMORY_TARGET, TIME_TARGET = 1.10, 1.05
+SAMPLING_TOP_K, SAMPLING_TIME_TARGET = 20, 1.03  # the truncation of the sampling part, and its target vs no correction
 
 # Qwen3-0.6B's shape; `--tiny` shrinks it (CPU bf16 matmuls are slow, a vocabulary-sized head most of all).
 QWEN3_06B = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -260,9 +265,37 @@ def score_centering_batch(B, P, T, k, V, generator):
     }
 
 
-def part_score_centering(opts, deadline):
+def alternate_loss_steps(trainers, batches, rounds, deadline, device):
+    """One loss forward + backward per arm per round, the arms' order reversed every other round, after one warm-up
+    step each (parameter gradients and kernels are allocated there, not in a measured step); stops early rather than
+    be killed. Returns the median step time, the largest step peak above its start and the process peak (MiB) per
+    arm, and the rounds run. `trainers` and `batches`: by arm."""
     from score_centering_memory import one_step
 
+    arms, batch = list(trainers), batches
+    memory = _Memory(device)
+    times, peaks = {arm: [] for arm in arms}, {arm: [] for arm in arms}
+    for arm in arms:
+        one_step(trainers[arm], batch[arm])
+        trainers[arm].model.zero_grad(set_to_none=False)
+    start = time.monotonic()
+    for r in range(rounds):
+        for arm in (arms if r % 2 == 0 else arms[::-1]):
+            sync(device)
+            memory.start()
+            t = time.perf_counter()
+            one_step(trainers[arm], batch[arm])
+            sync(device)
+            times[arm].append(time.perf_counter() - t)
+            peaks[arm].append(memory.stop())
+            trainers[arm].model.zero_grad(set_to_none=False)
+        if time.monotonic() + (time.monotonic() - start) / (r + 1) > deadline:  # room for one more round?
+            break
+    return ({arm: statistics.median(times[arm]) for arm in arms}, {arm: max(p[0] for p in peaks[arm]) for arm in arms},
+            {arm: max(p[1] for p in peaks[arm]) for arm in arms}, len(times[arms[0]]))
+
+
+def part_score_centering(opts, deadline):
     from trl_rpp import RPPConfig, RPPTrainer
     from trl_rpp.testing.tiny import copy_task_dataset
 
@@ -285,33 +318,13 @@ def part_score_centering(opts, deadline):
         trainer.model.to(opts.device).train()  # Trainer places the model itself; this states it (a no-op then)
         trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which is not run here
         trainers[on] = trainer
-    memory = _Memory(opts.device)
-    times, peaks = {False: [], True: []}, {False: [], True: []}
-    for arm in (False, True):  # warm-up: parameter gradients and kernels are allocated here, not in a measured step
-        one_step(trainers[arm], inputs)
-        trainers[arm].model.zero_grad(set_to_none=False)
-    start = time.monotonic()
-    for r in range(s["sc_rounds"]):
-        for arm in ((False, True) if r % 2 == 0 else (True, False)):
-            sync(opts.device)
-            memory.start()
-            t = time.perf_counter()
-            one_step(trainers[arm], inputs)
-            sync(opts.device)
-            times[arm].append(time.perf_counter() - t)
-            peaks[arm].append(memory.stop())
-            trainers[arm].model.zero_grad(set_to_none=False)
-        # Stop early rather than be killed: leave room for one more round.
-        if time.monotonic() + (time.monotonic() - start) / (r + 1) > deadline:
-            break
-    med = {arm: statistics.median(times[arm]) for arm in times}
-    step_peak = {arm: max(p[0] for p in peaks[arm]) for arm in peaks}
-    proc_peak = {arm: max(p[1] for p in peaks[arm]) for arm in peaks}
+    med, step_peak, proc_peak, rounds = alternate_loss_steps(trainers, {arm: inputs for arm in trainers}, s["sc_rounds"],
+                                                             deadline, opts.device)
     mem_ratio = step_peak[True] / step_peak[False]
     time_ratio = med[True] / med[False]
     return {
         "batch": shape.batch, "completion_length": shape.completion_length, "tokens": shape.batch * shape.completion_length,
-        "vocab": shape.vocab, "top_k": 32, "rounds": len(times[False]),
+        "vocab": shape.vocab, "top_k": 32, "rounds": rounds,
         "step_time_s": {"off": med[False], "on": med[True]},
         "step_peak_mib": {"off": step_peak[False], "on": step_peak[True]},
         "process_peak_mib": {"off": proc_peak[False], "on": proc_peak[True]},
@@ -319,6 +332,55 @@ def part_score_centering(opts, deadline):
         "memory_target": MEMORY_TARGET, "time_target": TIME_TARGET,
         "memory_pass": mem_ratio <= MEMORY_TARGET, "time_pass": time_ratio <= TIME_TARGET,
         "memory_measure": "torch.cuda.max_memory_allocated" if opts.device == "cuda" else "peak RSS (VmHWM)",
+    }
+
+
+SAMPLING_ARMS = {
+    "none": dict(top_k=SAMPLING_TOP_K, replay_sampler_support=False),
+    "replay": dict(top_k=SAMPLING_TOP_K),
+    "score_centering": dict(score_centering=True, score_centering_top_k=32),
+    "both": dict(top_k=SAMPLING_TOP_K, score_centering=True, score_centering_top_k=32),
+}
+
+
+def sampling_batches(base, k):
+    """Each arm's loss inputs from one score-centering batch: a kept set of `k` ids per position holding the sampled
+    token (the replay arms), and for `both` that set as the head, `log q_S` uniform over it."""
+    support = base["sampler_head_ids"][..., :k].clone()
+    batch = dict(base, completion_ids=support[..., 0].clone())
+    both = dict(batch, sampler_support_ids=support, sampler_head_ids=support,
+                sampler_head_logps=torch.full(support.shape, -math.log(k)),
+                sampler_per_token_logps=torch.full(support.shape[:2], -math.log(k)))
+    return {"none": batch, "replay": dict(batch, sampler_support_ids=support), "score_centering": batch, "both": both}
+
+
+def part_sampling(opts, deadline):
+    from trl_rpp import RPPConfig, RPPTrainer
+    from trl_rpp.testing.tiny import copy_task_dataset
+
+    s = SIZES[opts.tiny]
+    B, T, V = s["sc_batch"], s["sc_length"], (QWEN3_TINY if opts.tiny else QWEN3_06B)["vocab_size"]
+    base = score_centering_batch(B, 16, T, 32, V, torch.Generator().manual_seed(0))
+    batches = {arm: {k: v.to(opts.device) for k, v in b.items()} for arm, b in sampling_batches(base, SAMPLING_TOP_K).items()}
+    trainers = {}
+    for arm, extra in SAMPLING_ARMS.items():
+        args = RPPConfig(
+            output_dir=tempfile.mkdtemp(), advantage_estimator="reinforce_plus_plus", kl_coef=0.0,
+            use_cpu=opts.device == "cpu", bf16=True, report_to="none", per_device_train_batch_size=B,
+            num_generations=B, max_completion_length=T, temperature=0.7, disable_dropout=True, **extra,
+        )
+        trainer = RPPTrainer(model=opts.model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                             args=args, train_dataset=copy_task_dataset(B))
+        trainer.model.to(opts.device).train()
+        trainer.current_gradient_accumulation_steps = 1
+        trainers[arm] = trainer
+    med, step_peak, proc_peak, rounds = alternate_loss_steps(trainers, batches, s["sc_rounds"], deadline, opts.device)
+    return {
+        "batch": B, "completion_length": T, "vocab": V, "top_k": SAMPLING_TOP_K, "rounds": rounds,
+        "time_target": SAMPLING_TIME_TARGET,
+        "arms": {arm: {"step_time_s": med[arm], "step_peak_mib": step_peak[arm], "process_peak_mib": proc_peak[arm],
+                       "time_ratio": med[arm] / med["none"], "memory_ratio": step_peak[arm] / max(step_peak["none"], 1e-9),
+                       "time_pass": med[arm] / med["none"] <= SAMPLING_TIME_TARGET} for arm in trainers},
     }
 
 
@@ -394,7 +456,8 @@ def environment(device):
     return env
 
 
-PARTS = {"numerics": part_numerics, "score_centering": part_score_centering, "step_time": part_step_time}
+PARTS = {"numerics": part_numerics, "score_centering": part_score_centering, "sampling": part_sampling,
+         "step_time": part_step_time}
 
 
 def _text(x):
@@ -457,6 +520,15 @@ def markdown(report):
                   f"| {sc['memory_ratio']:.3f} | <= {sc['memory_target']} | {'yes' if sc['memory_pass'] else 'no'} |",
                   f"| process peak (MiB) | {_f(sc['process_peak_mib']['off'], 0)} | {_f(sc['process_peak_mib']['on'], 0)} "
                   f"| {sc['process_memory_ratio']:.3f} | | |", "", f"Memory: {sc['memory_measure']}."]
+    sa = parts["sampling"].get("result")
+    if sa:
+        lines += ["", f"## Truncated sampling (top_k = {sa['top_k']}): B x T = {sa['batch']} x {sa['completion_length']}, "
+                  f"V = {sa['vocab']}, bf16, {sa['rounds']} rounds", "",
+                  "| arm | loss step time (s, median) | / none | step peak (MiB) | / none | time <= target |",
+                  "|---|---|---|---|---|---|"]
+        for arm, a in sa["arms"].items():
+            lines.append(f"| {arm} | {a['step_time_s']:.4f} | {a['time_ratio']:.3f} | {_f(a['step_peak_mib'], 0)} | "
+                         f"{a['memory_ratio']:.3f} | {'yes' if a['time_pass'] else 'no'} (<= {sa['time_target']}) |")
     st = parts["step_time"].get("result")
     if st:
         lines += ["", f"## Step time vs GRPOTrainer(beta=0.04): batch {st['batch']} ({st['num_generations']} per "

@@ -53,6 +53,9 @@ from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
 from trl_rpp.testing.tiny import build_tiny_model, copy_first_char_reward, copy_task_dataset  # noqa: E402
 from trl_rpp.vllm_engine import use_cpu_weight_sync  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from score_centering_memory import _reset_peak, _status_kib  # noqa: E402
+
 BASELINE = dict(advantage_estimator="reinforce_plus_plus_baseline")
 ARMS = {
     "grpo_beta0.04": (GRPOTrainer, GRPOConfig, dict(beta=0.04)),
@@ -77,11 +80,6 @@ VLLM_ARGS = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilizatio
                  vllm_importance_sampling_mode="token_truncate")
 
 
-def _status_kib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 class StepTimer(TrainerCallback):
     """Each step's wall time and, with `memory`, its own peak: the resident set's high-water mark during the step
     above the resident set at its start (MiB)."""
@@ -91,8 +89,7 @@ class StepTimer(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kw):
         if self.memory:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current resident set
+            _reset_peak()
             self._rss = _status_kib("VmRSS")
         self._t = time.perf_counter()
 

@@ -31,7 +31,7 @@ def rehearsal(tmp_path_factory):
 def test_every_part_runs_and_the_environment_is_recorded(rehearsal):
     report, md_text, stdout, wall = rehearsal
     parts = report["parts"]
-    assert set(parts) == {"build_model", "numerics", "score_centering", "step_time"}
+    assert set(parts) == {"build_model", "numerics", "score_centering", "sampling", "step_time"}
     assert all(p["status"] == "ok" and p["wall_s"] > 0 for p in parts.values()), parts
     assert report["ok"] is True and 0 < report["wall_s"] <= wall
     env = report["environment"]
@@ -70,6 +70,18 @@ def test_score_centering_part_reports_consistent_ratios(rehearsal):
 
 
 @pytest.mark.slow
+def test_sampling_part_times_the_four_arms_against_no_correction(rehearsal):
+    sa = rehearsal[0]["parts"]["sampling"]["result"]
+    arms = sa["arms"]
+    assert list(arms) == ["none", "replay", "score_centering", "both"] and sa["top_k"] == 20 and sa["rounds"] >= 1
+    for name, a in arms.items():
+        assert a["step_time_s"] > 0 and a["process_peak_mib"] > 0, (name, a)
+        assert a["time_ratio"] == pytest.approx(a["step_time_s"] / arms["none"]["step_time_s"])
+        assert a["time_pass"] == (a["time_ratio"] <= 1.03)
+        assert f"| {name} | {a['step_time_s']:.4f} | {a['time_ratio']:.3f} |" in rehearsal[1]
+
+
+@pytest.mark.slow
 def test_step_time_part_times_every_arm_at_fixed_length(rehearsal):
     st = rehearsal[0]["parts"]["step_time"]["result"]
     arms = st["arms"]
@@ -95,6 +107,7 @@ def test_a_part_over_its_budget_is_killed_and_reported(tmp_path):
     report = {"tiny": True, "wall_s": wall, "environment": gpu_check.environment("cpu"),
               "parts": {"numerics": {"status": status, "wall_s": wall, "budget_s": 0.5, "result": None, "log": ""},
                         "score_centering": {"status": "ok", "wall_s": 1.0, "result": None},
+                        "sampling": {"status": "ok", "wall_s": 1.0, "result": None},
                         "step_time": {"status": "ok", "wall_s": 1.0, "result": None}}}
     md_text = gpu_check.markdown(report)
     assert "| numerics | timed_out |" in md_text and "## numerics: timed_out" in md_text
