@@ -263,13 +263,16 @@ def force_fsdp_on_cpu():
 
 
 # The fault chain of tests/test_engines.py::test_preempted_killed_and_resumed_equal_the_uninterrupted_run, on case
-# rpp_ref (3 steps, generations at steps 1 and 3: checkpoint-1 falls inside a generation batch). One launch per phase,
-# each resuming what the one before left in the same output folder. phase -> its runs in turn, each (record tag,
-# the step in whose middle it waits for a preemption signal, the checkpoint whose save SIGKILLs every process).
+# rpp_ref (3 steps, generations at steps 1 and 3: checkpoint-1 falls inside a generation batch). Two launches in one
+# output folder; phase -> its runs in turn, each (record tag, the step in whose middle it waits for a preemption
+# signal, the checkpoint whose save SIGKILLs every process, resume_from_checkpoint).
 FAULT_PHASES = {
-    "launcher_sigterm": [("fault_start", 1, None)],  # from scratch; the parent SIGTERMs `accelerate launch`
-    "rank_sigterm": [("fault_from_1", 2, None), ("fault_from_2", None, 3)],  # the parent SIGTERMs rank 1 only
-    "after_kill": [("fault_after_kill", None, None)],
+    # The parent SIGTERMs `accelerate launch` in step 1 and lets it wait for its workers, which then resume from
+    # checkpoint-1 in the same processes and are killed saving checkpoint-3.
+    "start": [("stopped_at_1", 1, None, None), ("killed_saving_3", None, 3, True)],
+    # A fresh launch resumes past the torn checkpoint-3, from checkpoint-1; the parent SIGTERMs rank 1 only in step 2;
+    # then a new trainer resumes from checkpoint-2.
+    "restart": [("resumed_past_torn", 2, None, True), ("resumed_at_2", None, None, True)],
 }
 # No regular checkpoint before the last step (which Trainer saves under save_strategy="steps"): the preemption saves
 # are the only others.
@@ -304,13 +307,12 @@ class Warnings(logging.Handler):
 
 
 def fault_phase(outdir, model_path, engine, phase):
-    """Run the runs of FAULT_PHASES[phase] on case rpp_ref, each resuming (resume_from_checkpoint=True) but the
-    first one's; save each one's record with what it raised (`preempted`) and trl_rpp's warnings. A run whose
-    checkpoint save is killed saves its record first."""
+    """Run the runs of FAULT_PHASES[phase] on case rpp_ref in turn; save each one's record with what it raised
+    (`preempted`) and trl_rpp's warnings. A run whose checkpoint save is killed saves its record first."""
     from checkpoint_faults import install_kill
     from trl_rpp.preemption import TrainingPreempted
 
-    for tag, wait_step, kill_step in FAULT_PHASES[phase]:
+    for tag, wait_step, kill_step, resume in FAULT_PHASES[phase]:
         trainer, snaps, facts = build_case(outdir, model_path, None, engine, "rpp_ref", save_steps=FAULT_SAVE_STEPS)
         seen = Warnings()
         logging.getLogger("trl_rpp").addHandler(seen)
@@ -329,7 +331,7 @@ def fault_phase(outdir, model_path, engine, phase):
             # and trainer_state.json (tests/checkpoint_faults.py).
             install_kill("rng_start", kill_step, trainer, kill)
         try:
-            trainer.train(resume_from_checkpoint=None if phase == "launcher_sigterm" else True)
+            trainer.train(resume_from_checkpoint=resume)
             preempted = None
         except TrainingPreempted as stop:
             preempted = dict(signal=stop.signal_name, step=stop.step, checkpoint=stop.checkpoint,

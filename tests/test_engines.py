@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_preemption import finish, wait_for
 from trainer_helpers import LAUNCH_ENV, launch_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -275,29 +276,30 @@ def test_ddp_saves_a_loadable_model(models, ddp_runs):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def engine_files(folder, engine, rank):
+    """The engine's own model and optimizer files of process `rank` in checkpoint `folder`, which trl_rpp's
+    `checkpoint_problem` does not check: DeepSpeed's shards under global_step<N>/, FSDP's model and optimizer
+    (FULL_STATE_DICT: gathered, written by process 0)."""
+    folder = Path(folder)
+    if engine == "zero3":
+        step = folder.name.split("-")[-1]
+        return [folder / f"global_step{step}" / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt"
+                for kind in ("model", "optim")]
+    return [folder / "pytorch_model_fsdp.bin", folder / "optimizer.bin"]
+
+
 def engine_checkpoint_problem(folder, engine, rank):
     """Why `folder` cannot be resumed by process `rank` of rpp_ref's run under `engine`, or None: trl_rpp's own
-    judgement (`checkpoint_problem`: trainer_state.json, the generation buffer, RNG state, scheduler), and the
-    engine's own files for this rank, which that does not check (DeepSpeed's model and optimizer shards under
-    global_step<N>/, FSDP's gathered model and optimizer)."""
-    from trl_rpp.checkpoint import ResumeLayout, checkpoint_problem, read_global_step, required_files
+    judgement (`checkpoint_problem`: trainer_state.json, the generation buffer, the RNG state, the scheduler), then
+    the engine's own files (`engine_files`)."""
+    from trl_rpp.checkpoint import ResumeLayout, checkpoint_problem, required_files
 
     layout = ResumeLayout(rank, 2, 2, 1, required_files(rank, 2, "deepspeed" if engine == "zero3" else "fsdp"))
     problem = checkpoint_problem(str(folder), layout)
     if problem is not None:
         return problem.path, problem.reason
-    folder = Path(folder)
-    if engine == "zero3":
-        step = read_global_step(str(folder))
-        needed = [f"global_step{step}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
-                  f"global_step{step}/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]
-    else:
-        needed = [FSDP_MODEL_FILE, FSDP_OPTIMIZER_FILE]
-    missing = [n for n in needed if not (folder / n).exists()]
-    return (missing, sorted(p.name for p in folder.iterdir())) if missing else None
-
-
-FSDP_MODEL_FILE, FSDP_OPTIMIZER_FILE = "pytorch_model_fsdp.bin", "optimizer.bin"
+    missing = [str(f) for f in engine_files(folder, engine, rank) if not f.exists()]
+    return missing or None
 
 
 def load_ranks(outdir, tag):
@@ -322,27 +324,29 @@ def check_fault_run(engine, label, full, run, first_step, last_step, generations
 @pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
 def test_preempted_killed_and_resumed_equal_the_uninterrupted_run(tmp_path, models, ddp_runs, engine_runs, engine):
     """The promises of tests/test_preemption.py and tests/test_resume.py, under ZeRO-3 and FSDP2 (2 processes), on
-    case rpp_ref (3 steps; generations at steps 1 and 3). Three launches in one output folder (engine_script's
-    `FAULT_PHASES`), each resuming with `resume_from_checkpoint=True` what the one before left:
+    case rpp_ref (3 steps; generations at steps 1 and 3). Two launches in one output folder (engine_script's
+    `FAULT_PHASES`):
 
-    1. SIGTERM to `accelerate launch` (forwarded to both workers) in the middle of step 1: every process saves
-       checkpoint-1, which falls inside a generation batch, and raises TrainingPreempted.
-    2. A fresh launch resumes from checkpoint-1 and trains step 2 on its saved generation batch (no generation);
-       SIGTERM to rank 1 only in the middle of step 2: both save checkpoint-2 and raise TrainingPreempted. A new
-       trainer in the same processes resumes from checkpoint-2 and trains step 3; at its save every process is
-       SIGKILLed once the model and optimizer are written, before the RNG states and trainer_state.json.
-    3. A fresh launch skips the torn checkpoint-3 with a warning naming it and resumes from checkpoint-2.
+    1. SIGTERM to `accelerate launch`, which forwards it to both workers, in the middle of step 1: every process
+       saves checkpoint-1, which falls inside a generation batch, and raises TrainingPreempted. While the launcher
+       waits for them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), the same processes resume from checkpoint-1 with a new
+       trainer, train steps 2-3, and are SIGKILLed saving checkpoint-3, once its model and optimizer are written.
+    2. A fresh launch resumes with resume_from_checkpoint=True: it skips the torn checkpoint-3 with a warning naming
+       it, and resumes from checkpoint-1, inside its generation batch (step 2 trains on the saved batch, without
+       generating). SIGTERM to rank 1 only, in the middle of step 2: both processes save checkpoint-2 and raise
+       TrainingPreempted; a new trainer resumes from it and trains step 3.
 
     Each run equals the engine's uninterrupted rpp_ref (`engine_runs`) step by step, advantages and parameters, to
-    the engine-vs-DDP tolerances (module docstring). What each process raised is its own record, not the launcher's
-    status or log."""
+    the engine-vs-DDP tolerances (module docstring); measured, they are equal bit for bit: the same engine repeats
+    its reductions in the same order, and the checkpoint restores all the state the next steps read (each rank's
+    ZeRO-3 partition of the weights and momentum, or FSDP2's full state broadcast from process 0; RNG states;
+    dataloader position; generation batch). What each process raised is its own record, not the launcher's status
+    or log."""
     # ddp_runs is not compared here: using it keeps this test in the xdist group of the module's other tests, on the
     # worker that holds engine_runs (tests/conftest.py groups tests by the module fixtures they use).
     if engine == "zero3":
         require_deepspeed()
     full = engine_runs(engine)["rpp_ref"]
-    from test_preemption import finish, wait_for
-
     out = tmp_path / "rpp_ref" / "out"
     script = [os.path.join(HERE, "engine_script.py"), str(tmp_path), *models, engine]
     config = CONFIG_FILES[engine]
@@ -357,45 +361,50 @@ def test_preempted_killed_and_resumed_equal_the_uninterrupted_run(tmp_path, mode
             assert engine_checkpoint_problem(checkpoint[step], engine, rank) is None, (
                 step, rank, engine_checkpoint_problem(checkpoint[step], engine, rank))
 
-    # 1. SIGTERM to the launcher in step 1.
-    proc = start_launch(config, [*script, "launcher_sigterm"])
+    def skipped_torn_3(run, resumed_from):
+        skips = [m for m in run[0]["warnings"] if "skips" in m]
+        assert len(skips) == 1 and skips[0].startswith(
+            f"trl_rpp: resume_from_checkpoint=True skips {checkpoint[3]}, which is incomplete: "
+            f"{os.path.join(checkpoint[3], 'trainer_state.json')} is missing. Resuming from {checkpoint[resumed_from]} "
+            "instead."), run[0]["warnings"]
+
+    # 1. SIGTERM to the launcher in step 1; resumed in the same processes, killed saving checkpoint-3.
+    grace = dict(TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(LAUNCH_TIMEOUT_S))  # the launcher waits for its workers that long
+    proc = start_launch(config, [*script, "start"], extra_env=grace)
     pids = [wait_for(str(out / f"waiting_step1_rank{r}"), proc) for r in range(2)]
     os.kill(proc.pid, signal.SIGTERM)
     _, log = finish(proc, timeout=LAUNCH_TIMEOUT_S, workers=pids)
-    assert (tmp_path / "fault_start_rank1.pt").exists(), log[-4000:]
-    start = load_ranks(tmp_path, "fault_start")
+    assert (tmp_path / "killed_saving_3_rank1.pt").exists(), log[-4000:]
+    start = load_ranks(tmp_path, "stopped_at_1")
     stopped(start, 1)
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
     diffs.append(check_fault_run(engine, "from scratch, stopped at 1", full, start, 0, 1, generations=1))
+    killed = load_ranks(tmp_path, "killed_saving_3")
+    assert [killed[r]["killed"] for r in range(2)] == [True, True]
+    diffs.append(check_fault_run(engine, "resumed at 1 in-process (saved batch), killed saving 3", full, killed, 1, 3,
+                                 generations=1))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-3"]
+    torn = [engine_checkpoint_problem(checkpoint[3], engine, r) for r in range(2)]
+    assert torn == [(os.path.join(checkpoint[3], "trainer_state.json"), "is missing")] * 2, torn
+    # The kill landed mid-save: the engine's model and optimizer are written, no RNG state.
+    assert all(f.exists() for r in range(2) for f in engine_files(checkpoint[3], engine, r))
+    assert not list(Path(checkpoint[3]).glob("rng_state*")), sorted(os.listdir(checkpoint[3]))
 
-    # 2. Resume from checkpoint-1 inside its generation batch; SIGTERM to rank 1 in step 2; resume from checkpoint-2,
-    # killed -9 while saving checkpoint-3.
-    proc = start_launch(config, [*script, "rank_sigterm"])
+    # 2. A fresh launch: auto-resume past the torn checkpoint-3 from checkpoint-1; SIGTERM to rank 1 in step 2; resumed
+    # from checkpoint-2.
+    proc = start_launch(config, [*script, "restart"])
     pids = [wait_for(str(out / f"waiting_step2_rank{r}"), proc) for r in range(2)]
     os.kill(pids[1], signal.SIGTERM)
     (out / "release").touch()  # rank 0 goes on without a signal of its own
     _, log = finish(proc, timeout=LAUNCH_TIMEOUT_S, workers=pids)
-    assert (tmp_path / "fault_from_2_rank1.pt").exists(), log[-4000:]
-    from_1 = load_ranks(tmp_path, "fault_from_1")
-    stopped(from_1, 2)
-    diffs.append(check_fault_run(engine, "resumed at 1 (saved batch), stopped at 2", full, from_1, 1, 2, generations=0))
-    from_2 = load_ranks(tmp_path, "fault_from_2")
-    assert [from_2[r]["killed"] for r in range(2)] == [True, True]
-    diffs.append(check_fault_run(engine, "resumed at 2, killed saving 3", full, from_2, 2, 3, generations=1))
-    torn = [engine_checkpoint_problem(checkpoint[3], engine, r) for r in range(2)]
-    assert torn == [(os.path.join(checkpoint[3], "trainer_state.json"), "is missing")] * 2, torn
-
-    # 3. Auto-resume past the torn checkpoint-3.
-    proc = start_launch(config, [*script, "after_kill"])
-    _, log = finish(proc, timeout=LAUNCH_TIMEOUT_S)
-    assert (tmp_path / "fault_after_kill_rank1.pt").exists(), log[-4000:]
-    after = load_ranks(tmp_path, "fault_after_kill")
-    assert [after[r]["preempted"] for r in range(2)] == [None, None]
-    skipped = [m for m in after[0]["warnings"] if "skips" in m]
-    assert len(skipped) == 1 and skipped[0].startswith(
-        f"trl_rpp: resume_from_checkpoint=True skips {checkpoint[3]}, which is incomplete: "
-        f"{os.path.join(checkpoint[3], 'trainer_state.json')} is missing. Resuming from {checkpoint[2]} instead."), (
-        after[0]["warnings"])
-    diffs.append(check_fault_run(engine, "auto-resumed past torn 3", full, after, 2, 3, generations=1))
+    assert (tmp_path / "resumed_at_2_rank1.pt").exists(), log[-4000:]
+    past_torn = load_ranks(tmp_path, "resumed_past_torn")
+    skipped_torn_3(past_torn, resumed_from=1)
+    stopped(past_torn, 2)
+    diffs.append(check_fault_run(engine, "resumed past torn 3 at 1 (saved batch), stopped at 2", full, past_torn, 1, 2,
+                                 generations=0))
+    at_2 = load_ranks(tmp_path, "resumed_at_2")
+    skipped_torn_3(at_2, resumed_from=2)
+    assert [at_2[r]["preempted"] for r in range(2)] == [None, None]
+    diffs.append(check_fault_run(engine, "resumed at 2", full, at_2, 2, 3, generations=1))
     adv, params = max(d[0] for d in diffs), max(d[1] for d in diffs)
     print(f"{engine} faults, resumed vs uninterrupted, all runs: max |dA| = {adv:.3g}, max |dparam| = {params:.3g}")
