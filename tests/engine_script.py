@@ -8,11 +8,16 @@ step (gathered in full under ZeRO-3 and FSDP2), the log history, and facts about
 After the cases in `SAVED_CASES` it also calls `trainer.save_model(OUTDIR/CASE/final)`, as the `trl-rpp` CLI does,
 for the parent test to load with `from_pretrained` and compare with the gathered weights of the last step.
 
+With a fifth argument, a phase of `FAULT_PHASES`, it runs only that phase of the fault chain on rpp_ref instead:
+preemption signals and a kill -9 mid-save, each phase resuming what the one before left (`fault_phase`).
+
     accelerate launch --config_file CONFIG --num_processes 2 --mixed_precision no \
-        engine_script.py OUTDIR MODEL EOS_MODEL {ddp,zero2,zero3,fsdp2}
+        engine_script.py OUTDIR MODEL EOS_MODEL {ddp,zero2,zero3,fsdp2} [PHASE]
 """
 
+import logging
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -30,11 +35,14 @@ from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # no
 
 # name -> (estimator, RPPConfig overrides, uses LoRA). Together: both estimators, a frozen reference copy (k1
 # shaping; k2 loss), LoRA whose reference is the disabled adapter, score centering on and off, returns built at
-# generation (steps_per_generation=2) and deferred into the loss (steps_per_generation=1), gradient accumulation.
+# generation (steps_per_generation=2 and 4) and deferred into the loss (steps_per_generation=1), gradient accumulation.
 CASES = {
     # Momentum gives the optimizer a state that a resume from the step-2 checkpoint must restore (and torch 2.13's
     # full-state-dict optimizer load under FSDP2 fails on a stateless one: no tensor to take the device from).
-    "rpp_ref": ("reinforce_plus_plus", dict(kl_coef=0.05, gamma=0.9, max_steps=3, optim_args="momentum=0.9"), False),
+    # steps_per_generation=4 micro-batches, 2 per optimizer step: steps 1-2 train on one generation batch and step 3
+    # on the next, so checkpoints at steps 1 and 3 fall inside one (the fault chain, `FAULT_PHASES`).
+    "rpp_ref": ("reinforce_plus_plus", dict(kl_coef=0.05, gamma=0.9, max_steps=3, optim_args="momentum=0.9",
+                                            steps_per_generation=4), False),
     "baseline_sc": ("reinforce_plus_plus_baseline", dict(score_centering=True, score_centering_top_k=8, max_steps=2), False),
     "rpp_lora_deferred": (
         "reinforce_plus_plus",
@@ -122,7 +130,9 @@ def engine_facts(trainer):
     return facts
 
 
-def run_case(outdir, model_path, eos_model_path, engine, name, resume_from=None, save=False):
+def build_case(outdir, model_path, eos_model_path, engine, name, save_steps=None):
+    """The CaptureTrainer of case `name` (checkpointing every `save_steps` steps), its ParamSnapshots, and the
+    storage facts of its models as built."""
     estimator, overrides, lora = CASES[name]
     overrides = dict(overrides)
     # SGD (with momentum in rpp_ref): the update is linear in the gradients, so float32 reduction-order noise stays
@@ -133,8 +143,8 @@ def run_case(outdir, model_path, eos_model_path, engine, name, resume_from=None,
     # and FSDP2 (through `force_fsdp_on_cpu`) need use_cpu=True (use_cpu=False without a GPU runs each rank alone).
     kw.update(dict(use_cpu=False, ddp_backend="gloo") if engine.startswith("zero") else dict(use_cpu=True))
     kw.update(overrides)
-    if save:
-        kw.update(save_strategy="steps", save_steps=2, save_only_model=False)
+    if save_steps:
+        kw.update(save_strategy="steps", save_steps=save_steps, save_only_model=False)
     dataset = copy_task_dataset(64)
     model = model_path
     if name == "unequal_lengths":
@@ -163,20 +173,30 @@ def run_case(outdir, model_path, eos_model_path, engine, name, resume_from=None,
         base=partition_facts(frozen) if lora else None,
         ref=partition_facts(trainer.ref_model.parameters()) if trainer.ref_model is not None else None,
     )
-    trainer.train(resume_from_checkpoint=resume_from)
-    if name in SAVED_CASES and not resume_from:
-        trainer.save_model(os.path.join(outdir, name, "final"))  # a collective under ZeRO-3 and FSDP2
-    facts.update(engine_facts(trainer), policy_after=partition_facts(trainer.model.parameters()))
-    rank = trainer.accelerator.process_index
+    return trainer, snaps, facts
+
+
+def save_record(outdir, tag, trainer, snaps, facts, **more):
+    """What the parent test compares, to OUTDIR/<tag>_rank<r>.pt."""
+    facts = dict(facts, **engine_facts(trainer), policy_after=partition_facts(trainer.model.parameters()))
     out = dict(
         facts=facts,
         advantages=[x["advantages"].detach().cpu() for x in trainer.loss_inputs],
         completion_masks=[x["completion_mask"].detach().cpu() for x in trainer.loss_inputs],
-        params=snaps.steps,
+        params=dict(snaps.steps),
         logs=trainer.state.log_history,
+        generations=len(trainer.generation_batches),
+        **more,
     )
-    tag = name + ("_resumed" if resume_from else "")
-    torch.save(out, os.path.join(outdir, f"{tag}_rank{rank}.pt"))
+    torch.save(out, os.path.join(outdir, f"{tag}_rank{trainer.accelerator.process_index}.pt"))
+
+
+def run_case(outdir, model_path, eos_model_path, engine, name, resume_from=None, save=False):
+    trainer, snaps, facts = build_case(outdir, model_path, eos_model_path, engine, name, save_steps=2 if save else None)
+    trainer.train(resume_from_checkpoint=resume_from)
+    if name in SAVED_CASES and not resume_from:
+        trainer.save_model(os.path.join(outdir, name, "final"))  # a collective under ZeRO-3 and FSDP2
+    save_record(outdir, name + ("_resumed" if resume_from else ""), trainer, snaps, facts)
     trainer.accelerator.wait_for_everyone()
     del trainer
 
@@ -242,7 +262,86 @@ def force_fsdp_on_cpu():
     AcceleratorState.__init__ = __init__
 
 
-def main(outdir, model_path, eos_model_path, engine):
+# The fault chain of tests/test_engines.py::test_preempted_killed_and_resumed_equal_the_uninterrupted_run, on case
+# rpp_ref (3 steps, generations at steps 1 and 3: checkpoint-1 falls inside a generation batch). Two launches in one
+# output folder; phase -> its runs in turn, each (record tag, the step in whose middle it waits for a preemption
+# signal, the checkpoint whose save SIGKILLs every process, resume_from_checkpoint).
+FAULT_PHASES = {
+    # The parent SIGTERMs `accelerate launch` in step 1 and lets it wait for its workers, which then resume from
+    # checkpoint-1 in the same processes and are killed saving checkpoint-3.
+    "start": [("stopped_at_1", 1, None, None), ("killed_saving_3", None, 3, True)],
+    # A fresh launch resumes past the torn checkpoint-3, from checkpoint-1; the parent SIGTERMs rank 1 only in step 2;
+    # then a new trainer resumes from checkpoint-2.
+    "restart": [("resumed_past_torn", 2, None, True), ("resumed_at_2", None, None, True)],
+}
+# No regular checkpoint before the last step (which Trainer saves under save_strategy="steps"): the preemption saves
+# are the only others.
+FAULT_SAVE_STEPS = 10
+
+
+class WaitInStep(TrainerCallback):
+    """Between the two micro-batches of optimizer step `step` (generated, one backward pass done), write
+    `waiting_step<step>_rank<r>` (this pid) to the output folder and wait for a preemption signal or the parent's
+    `release` (tests/resume_script.py's `wait_for_signals`)."""
+
+    def __init__(self, trainer, step):
+        self.trainer, self.step, self.done = trainer, step, False
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step and not self.done:
+            from resume_script import wait_for_signals
+
+            self.done = True
+            wait_for_signals(self.trainer, f"waiting_step{self.step}", 1)
+
+
+class Warnings(logging.Handler):
+    """trl_rpp's warnings on this process (the skipped torn checkpoint)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def fault_phase(outdir, model_path, engine, phase):
+    """Run the runs of FAULT_PHASES[phase] on case rpp_ref in turn; save each one's record with what it raised
+    (`preempted`) and trl_rpp's warnings. A run whose checkpoint save is killed saves its record first."""
+    from checkpoint_faults import install_kill
+    from trl_rpp.preemption import TrainingPreempted
+
+    for tag, wait_step, kill_step, resume in FAULT_PHASES[phase]:
+        trainer, snaps, facts = build_case(outdir, model_path, None, engine, "rpp_ref", save_steps=FAULT_SAVE_STEPS)
+        seen = Warnings()
+        logging.getLogger("trl_rpp").addHandler(seen)
+
+        def record(trainer=trainer, snaps=snaps, facts=facts, tag=tag, seen=seen, **more):
+            save_record(outdir, tag, trainer, snaps, facts, warnings=list(seen.messages), **more)
+
+        if wait_step is not None:
+            trainer.add_callback(WaitInStep(trainer, wait_step))
+        if kill_step is not None:
+            def kill(record=record):
+                record(preempted=None, killed=True)
+                os.kill(os.getpid(), signal.SIGKILL)  # a real kill -9: nothing after it runs
+
+            # Every process dies once the model and optimizer of the checkpoint are written, before its RNG states
+            # and trainer_state.json (tests/checkpoint_faults.py).
+            install_kill("rng_start", kill_step, trainer, kill)
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+            preempted = None
+        except TrainingPreempted as stop:
+            preempted = dict(signal=stop.signal_name, step=stop.step, checkpoint=stop.checkpoint,
+                             global_step=trainer.state.global_step)
+        record(preempted=preempted, killed=False)
+        logging.getLogger("trl_rpp").removeHandler(seen)
+        del trainer
+
+
+def main(outdir, model_path, eos_model_path, engine, phase=None):
     torch.set_num_threads(1)
     if engine == "fsdp2":
         force_fsdp_on_cpu()
@@ -253,6 +352,8 @@ def main(outdir, model_path, eos_model_path, engine):
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if phase is not None:
+        return fault_phase(outdir, model_path, engine, phase)
     for name in CASES:
         checkpointed = engine in RESUMED_ENGINES and name == "rpp_ref"
         run_case(outdir, model_path, eos_model_path, engine, name, save=checkpointed)

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_preemption import finish, wait_for
 from trainer_helpers import LAUNCH_ENV, launch_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,13 +40,18 @@ ADV_ATOL, PARAM_ATOL, MIN_MOVE = 1e-5, 1e-6, 1e-4
 LAUNCH_TIMEOUT_S = 300  # a hung collective fails the test instead of blocking CI
 
 
-def launch(config, script_args, timeout=LAUNCH_TIMEOUT_S, extra_env=None):
-    """`accelerate launch --config_file CONFIG` with 2 processes, killed as a whole process group on timeout."""
+def start_launch(config, script_args, extra_env=None):
+    """`accelerate launch --config_file CONFIG` with 2 processes, in a session of its own."""
     env = dict(os.environ, **LAUNCH_ENV, DS_ACCELERATOR="cpu", **(extra_env or {}))
     # The shipped files target GPUs (bf16, 8 processes); only what a CPU machine needs is overridden here.
     cmd = launch_command(*script_args, config_file=os.path.join(CONFIGS, config))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+
+
+def launch(config, script_args, timeout=LAUNCH_TIMEOUT_S, extra_env=None):
+    """`start_launch`, waited for; killed as a whole process group on timeout."""
+    proc = start_launch(config, script_args, extra_env)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -134,27 +140,43 @@ def models(tiny_model, eos_model):
 
 
 @pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory, models):
-    runs = run_engine(tmp_path_factory.mktemp("ddp"), models, "ddp")
+def engine_runs(tmp_path_factory, models):
+    """engine -> `run_engine`'s runs, launched once per module: an engine's step-by-step test and its fault test
+    share its uninterrupted runs."""
+    done = {}
+
+    def get(engine):
+        if engine not in done:
+            done[engine] = run_engine(tmp_path_factory.mktemp(engine), models, engine)
+        return done[engine]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(engine_runs):
+    runs = engine_runs("ddp")
     facts = runs["rpp_ref"][0]["facts"]
     assert facts["wrapper"] == "torch.nn.parallel.distributed.DistributedDataParallel", facts
     assert facts["num_processes"] == 2 and facts["backend"] == "gloo"
     return runs
 
 
-def max_diffs(ref_ranks, got_ranks, first_step=0):
+def max_diffs(ref_ranks, got_ranks, first_step=0, last_step=None):
     """Largest |difference| of the advantages each loss call received and of the parameters after each optimizer
-    step (step 0: as training starts), from `first_step` on; and the largest change of any parameter over one step in the reference run."""
+    step (step 0: as training starts), from `first_step` to `last_step` (default: the reference's last); and the
+    largest change of any parameter over one step in the reference run."""
     adv, params, move = 0.0, 0.0, 0.0
-    calls = len(got_ranks[0]["advantages"])
     for r in range(2):
-        ref_adv = ref_ranks[r]["advantages"][-calls:]
-        assert len(ref_adv) == calls
+        ref_p, got_p = ref_ranks[r]["params"], got_ranks[r]["params"]
+        last = max(ref_p) if last_step is None else last_step
+        assert sorted(got_p) == list(range(first_step, last + 1)), (sorted(got_p), first_step, last)
+        per_step = len(ref_ranks[r]["advantages"]) // max(ref_p)  # loss calls per optimizer step
+        ref_adv = ref_ranks[r]["advantages"][first_step * per_step:last * per_step]
+        assert len(ref_adv) == len(got_ranks[r]["advantages"])
         for a, b in zip(ref_adv, got_ranks[r]["advantages"]):
             assert a.shape == b.shape
             adv = max(adv, (a.double() - b.double()).abs().max().item())
-        ref_p, got_p = ref_ranks[r]["params"], got_ranks[r]["params"]
-        assert sorted(got_p) == [s for s in sorted(ref_p) if s >= first_step]
         for step, named in got_p.items():
             assert sorted(named) == sorted(ref_p[step]), "the same trainable parameters"
             before = ref_p.get(step - 1)
@@ -178,31 +200,44 @@ def check_equal_to_ddp(engine, runs, ddp_runs):
     assert lengths[0] > 4 * lengths[1], lengths
 
 
+def assert_engine(engine, name, facts):
+    """`facts` (one rank's, engine_script.engine_facts and partition_facts) show that `engine` really ran case
+    `name`, not a silent DDP fallback."""
+    if engine.startswith("zero"):
+        stage = int(engine[-1])
+        assert facts["wrapper"] == "deepspeed.runtime.engine.DeepSpeedEngine", facts
+        assert facts["zero_stage"] == stage and facts["num_processes"] == 2 and facts["backend"] == "gloo"
+        if stage == 2:
+            assert facts["optimizer"] == "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", facts
+        else:
+            assert facts["optimizer"] == "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", facts
+            # Built partitioned: each rank holds half of every weight and no full copy (policy, base model under
+            # LoRA, and the frozen reference model alike).
+            for part in ("base",) if name == "rpp_lora_deferred" else ("policy", "ref"):
+                p = facts[part]
+                if p is None:
+                    continue
+                assert p["has_ds_id"] and p["local_numel"] == 0, (name, part, p)
+                assert p["ds_numel"] > 0 and p["partition_numel"] == p["ds_numel"] // 2, (name, part, p)
+    else:
+        assert engine == "fsdp2"
+        # Really FSDP2: the policy (sharded when training starts) is a fully_shard module whose parameters are
+        # DTensors, about half on each rank; so is the frozen reference model, sharded at construction.
+        assert facts["distributed_type"] == "DistributedType.FSDP" and facts["num_processes"] == 2, facts
+        assert facts["wrapper"].startswith("torch.distributed.fsdp._fully_shard."), facts
+        for p in (facts["policy_after"], facts["ref"]):
+            if p is not None:
+                assert p["dtensor"] and 0 < p["dtensor_local_numel"] < p["local_numel"], (name, p)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["zero2", "zero3"])
-def test_deepspeed_equals_ddp_step_by_step(tmp_path, models, ddp_runs, engine):
+def test_deepspeed_equals_ddp_step_by_step(models, ddp_runs, engine_runs, engine):
     require_deepspeed()
-    runs = run_engine(tmp_path, models, engine)
-    stage = int(engine[-1])
-
+    runs = engine_runs(engine)
     for name in CASES:
         for rank in range(2):
-            facts = runs[name][rank]["facts"]
-            # Really DeepSpeed, not a silent DDP fallback.
-            assert facts["wrapper"] == "deepspeed.runtime.engine.DeepSpeedEngine", facts
-            assert facts["zero_stage"] == stage and facts["num_processes"] == 2 and facts["backend"] == "gloo"
-            if stage == 2:
-                assert facts["optimizer"] == "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", facts
-            else:
-                assert facts["optimizer"] == "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", facts
-                # Built partitioned: each rank holds half of every weight and no full copy (policy, base model under
-                # LoRA, and the frozen reference model alike).
-                for part in ("base",) if name == "rpp_lora_deferred" else ("policy", "ref"):
-                    p = facts[part]
-                    if p is None:
-                        continue
-                    assert p["has_ds_id"] and p["local_numel"] == 0, (name, part, p)
-                    assert p["ds_numel"] > 0 and p["partition_numel"] == p["ds_numel"] // 2, (name, part, p)
+            assert_engine(engine, name, runs[name][rank]["facts"])
         assert (runs[name][0]["facts"]["ref"] is not None) == (name != "rpp_lora_deferred")
     check_equal_to_ddp(engine, runs, ddp_runs)
 
@@ -220,18 +255,11 @@ def test_deepspeed_equals_ddp_step_by_step(tmp_path, models, ddp_runs, engine):
 
 
 @pytest.mark.slow
-def test_fsdp2_equals_ddp_step_by_step(tmp_path, models, ddp_runs):
-    runs = run_engine(tmp_path, models, "fsdp2")
+def test_fsdp2_equals_ddp_step_by_step(models, ddp_runs, engine_runs):
+    runs = engine_runs("fsdp2")
     for name in CASES:
         for rank in range(2):
-            facts = runs[name][rank]["facts"]
-            # Really FSDP2: the policy (sharded when training starts) is a fully_shard module whose parameters are
-            # DTensors, about half on each rank; so is the frozen reference model, sharded at construction.
-            assert facts["distributed_type"] == "DistributedType.FSDP" and facts["num_processes"] == 2, facts
-            assert facts["wrapper"].startswith("torch.distributed.fsdp._fully_shard."), facts
-            for p in (facts["policy_after"], facts["ref"]):
-                if p is not None:
-                    assert p["dtensor"] and 0 < p["dtensor_local_numel"] < p["local_numel"], (name, p)
+            assert_engine("fsdp2", name, runs[name][rank]["facts"])
         assert (runs[name][0]["facts"]["ref"] is not None) == (name != "rpp_lora_deferred")
     check_equal_to_ddp("fsdp2", runs, ddp_runs)
     check_resumed("fsdp2", runs)
@@ -241,3 +269,142 @@ def test_fsdp2_equals_ddp_step_by_step(tmp_path, models, ddp_runs):
 @pytest.mark.slow
 def test_ddp_saves_a_loadable_model(models, ddp_runs):
     check_saved_models("ddp", ddp_runs, models[0])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Faults under ZeRO-3 and FSDP2: preemption signals, a kill -9 during a save, resumes (inside a generation batch)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def engine_files(folder, engine, rank):
+    """The engine's own model and optimizer files of process `rank` in checkpoint `folder`, which trl_rpp's
+    `checkpoint_problem` does not check: DeepSpeed's shards under global_step<N>/, FSDP's model and optimizer
+    (FULL_STATE_DICT: gathered, written by process 0)."""
+    folder = Path(folder)
+    if engine == "zero3":
+        step = folder.name.split("-")[-1]
+        return [folder / f"global_step{step}" / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt"
+                for kind in ("model", "optim")]
+    return [folder / "pytorch_model_fsdp.bin", folder / "optimizer.bin"]
+
+
+def engine_checkpoint_problem(folder, engine, rank):
+    """Why `folder` cannot be resumed by process `rank` of rpp_ref's run under `engine`, or None: trl_rpp's own
+    judgement (`checkpoint_problem`: trainer_state.json, the generation buffer, the RNG state, the scheduler), then
+    the engine's own files (`engine_files`)."""
+    from trl_rpp.checkpoint import ResumeLayout, checkpoint_problem, required_files
+
+    layout = ResumeLayout(rank, 2, 2, 1, required_files(rank, 2, "deepspeed" if engine == "zero3" else "fsdp"))
+    problem = checkpoint_problem(str(folder), layout)
+    if problem is not None:
+        return problem.path, problem.reason
+    missing = [str(f) for f in engine_files(folder, engine, rank) if not f.exists()]
+    return missing or None
+
+
+def load_ranks(outdir, tag):
+    return [torch.load(Path(outdir) / f"{tag}_rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def check_fault_run(engine, label, full, run, first_step, last_step, generations):
+    """`run` (both ranks) really ran under `engine`, resumed at `first_step` (the parameters when training starts,
+    after the checkpoint's load), generated `generations` times, and equals the uninterrupted run `full` from there to
+    `last_step`. Returns the largest differences."""
+    for rank in range(2):
+        assert_engine(engine, "rpp_ref", run[rank]["facts"])
+        assert run[rank]["generations"] == generations, (label, rank, run[rank]["generations"])
+    adv, params, _ = max_diffs(full, run, first_step=first_step, last_step=last_step)
+    print(f"\n{engine} {label}: steps {first_step}-{last_step} vs uninterrupted: max |dA| = {adv:.3g}, "
+          f"max |dparam| = {params:.3g}")
+    assert adv <= ADV_ATOL and params <= PARAM_ATOL, (label, adv, params)
+    return adv, params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_preempted_killed_and_resumed_equal_the_uninterrupted_run(tmp_path, models, ddp_runs, engine_runs, engine):
+    """The promises of tests/test_preemption.py and tests/test_resume.py, under ZeRO-3 and FSDP2 (2 processes), on
+    case rpp_ref (3 steps; generations at steps 1 and 3). Two launches in one output folder (engine_script's
+    `FAULT_PHASES`):
+
+    1. SIGTERM to `accelerate launch`, which forwards it to both workers, in the middle of step 1: every process
+       saves checkpoint-1, which falls inside a generation batch, and raises TrainingPreempted. While the launcher
+       waits for them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), the same processes resume from checkpoint-1 with a new
+       trainer, train steps 2-3, and are SIGKILLed saving checkpoint-3, once its model and optimizer are written.
+    2. A fresh launch resumes with resume_from_checkpoint=True: it skips the torn checkpoint-3 with a warning naming
+       it, and resumes from checkpoint-1, inside its generation batch (step 2 trains on the saved batch, without
+       generating). SIGTERM to rank 1 only, in the middle of step 2: both processes save checkpoint-2 and raise
+       TrainingPreempted; a new trainer resumes from it and trains step 3.
+
+    Each run equals the engine's uninterrupted rpp_ref (`engine_runs`) step by step, advantages and parameters, to
+    the engine-vs-DDP tolerances (module docstring); measured, they are equal bit for bit: the same engine repeats
+    its reductions in the same order, and the checkpoint restores all the state the next steps read (each rank's
+    ZeRO-3 partition of the weights and momentum, or FSDP2's full state broadcast from process 0; RNG states;
+    dataloader position; generation batch). What each process raised is its own record, not the launcher's status
+    or log."""
+    # ddp_runs is not compared here: using it keeps this test in the xdist group of the module's other tests, on the
+    # worker that holds engine_runs (tests/conftest.py groups tests by the module fixtures they use).
+    if engine == "zero3":
+        require_deepspeed()
+    full = engine_runs(engine)["rpp_ref"]
+    out = tmp_path / "rpp_ref" / "out"
+    script = [os.path.join(HERE, "engine_script.py"), str(tmp_path), *models, engine]
+    config = CONFIG_FILES[engine]
+    checkpoint = {n: str(out / f"checkpoint-{n}") for n in (1, 2, 3)}
+    diffs = []
+
+    def stopped(run, step):
+        assert [run[r]["preempted"] for r in range(2)] == [
+            dict(signal="SIGTERM", step=step, checkpoint=checkpoint[step], global_step=step)] * 2, (
+            [run[r]["preempted"] for r in range(2)])
+        for rank in range(2):
+            assert engine_checkpoint_problem(checkpoint[step], engine, rank) is None, (
+                step, rank, engine_checkpoint_problem(checkpoint[step], engine, rank))
+
+    def skipped_torn_3(run, resumed_from):
+        skips = [m for m in run[0]["warnings"] if "skips" in m]
+        assert len(skips) == 1 and skips[0].startswith(
+            f"trl_rpp: resume_from_checkpoint=True skips {checkpoint[3]}, which is incomplete: "
+            f"{os.path.join(checkpoint[3], 'trainer_state.json')} is missing. Resuming from {checkpoint[resumed_from]} "
+            "instead."), run[0]["warnings"]
+
+    # 1. SIGTERM to the launcher in step 1; resumed in the same processes, killed saving checkpoint-3.
+    grace = dict(TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(LAUNCH_TIMEOUT_S))  # the launcher waits for its workers that long
+    proc = start_launch(config, [*script, "start"], extra_env=grace)
+    pids = [wait_for(str(out / f"waiting_step1_rank{r}"), proc) for r in range(2)]
+    os.kill(proc.pid, signal.SIGTERM)
+    _, log = finish(proc, timeout=LAUNCH_TIMEOUT_S, workers=pids)
+    assert (tmp_path / "killed_saving_3_rank1.pt").exists(), log[-4000:]
+    start = load_ranks(tmp_path, "stopped_at_1")
+    stopped(start, 1)
+    diffs.append(check_fault_run(engine, "from scratch, stopped at 1", full, start, 0, 1, generations=1))
+    killed = load_ranks(tmp_path, "killed_saving_3")
+    assert [killed[r]["killed"] for r in range(2)] == [True, True]
+    diffs.append(check_fault_run(engine, "resumed at 1 in-process (saved batch), killed saving 3", full, killed, 1, 3,
+                                 generations=1))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-3"]
+    torn = [engine_checkpoint_problem(checkpoint[3], engine, r) for r in range(2)]
+    assert torn == [(os.path.join(checkpoint[3], "trainer_state.json"), "is missing")] * 2, torn
+    # The kill landed mid-save: the engine's model and optimizer are written, no RNG state.
+    assert all(f.exists() for r in range(2) for f in engine_files(checkpoint[3], engine, r))
+    assert not list(Path(checkpoint[3]).glob("rng_state*")), sorted(os.listdir(checkpoint[3]))
+
+    # 2. A fresh launch: auto-resume past the torn checkpoint-3 from checkpoint-1; SIGTERM to rank 1 in step 2; resumed
+    # from checkpoint-2.
+    proc = start_launch(config, [*script, "restart"])
+    pids = [wait_for(str(out / f"waiting_step2_rank{r}"), proc) for r in range(2)]
+    os.kill(pids[1], signal.SIGTERM)
+    (out / "release").touch()  # rank 0 goes on without a signal of its own
+    _, log = finish(proc, timeout=LAUNCH_TIMEOUT_S, workers=pids)
+    assert (tmp_path / "resumed_at_2_rank1.pt").exists(), log[-4000:]
+    past_torn = load_ranks(tmp_path, "resumed_past_torn")
+    skipped_torn_3(past_torn, resumed_from=1)
+    stopped(past_torn, 2)
+    diffs.append(check_fault_run(engine, "resumed past torn 3 at 1 (saved batch), stopped at 2", full, past_torn, 1, 2,
+                                 generations=0))
+    at_2 = load_ranks(tmp_path, "resumed_at_2")
+    skipped_torn_3(at_2, resumed_from=2)
+    assert [at_2[r]["preempted"] for r in range(2)] == [None, None]
+    diffs.append(check_fault_run(engine, "resumed at 2", full, at_2, 2, 3, generations=1))
+    adv, params = max(d[0] for d in diffs), max(d[1] for d in diffs)
+    print(f"{engine} faults, resumed vs uninterrupted, all runs: max |dA| = {adv:.3g}, max |dparam| = {params:.3g}")
