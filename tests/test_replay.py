@@ -145,6 +145,9 @@ def test_on_policy_ratio_is_one_with_replay_and_the_kept_mass_without(tmp_path, 
     first_ppo_ratio = torch.exp(trainer.loss_logps[0].double() - trainer.loss_inputs[0]["old_per_token_logps"].double())
     first_mask = trainer.loss_inputs[0]["completion_mask"].bool()
     assert (first_ppo_ratio[first_mask] - 1).abs().max().item() <= RATIO_ATOL
+    print(f"\n{name}: with replay, mean ratio {ratio.mean().item():.7f}, largest |ratio - 1| "
+          f"{(ratio - 1).abs().max().item():.1e}, largest |first PPO ratio - 1| "
+          f"{(first_ppo_ratio[first_mask] - 1).abs().max().item():.1e}")
 
     trainer, batch, support, sampled = on_policy_run(tmp_path / "full", tiny_model, settings, replay=False)
     mask = batch["completion_mask"].bool()
@@ -256,6 +259,8 @@ def test_accumulated_gradient_equals_the_replayed_float64_reference(tmp_path, ti
     assert set(want) == set(grads[0])
     for name, g in grads[0].items():
         torch.testing.assert_close(g.double(), want[name], rtol=1e-4, atol=1e-6, msg=name)
+    worst = max(((g.double() - want[n]).norm() / want[n].norm()).item() for n, g in grads[0].items())
+    print(f"\n{estimator}, KL {kl}, score centering {score_centering}: largest relative L2 gradient error {worst:.1e}")
 
 
 def test_a_closed_head_drops_the_tail_term_whose_gradient_is_zero_anyway():
