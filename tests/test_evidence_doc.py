@@ -1,7 +1,8 @@
 """docs/evidence.md against the result files the sweeps wrote: every `mean [low, high]` on the page is one of the
 results in `benchmarks/results/compare_estimators/report.json` or `studies.json` (mean, and mean -/+ the interval's
-half-width), or in study 4's `benchmarks/results/mismatch_study/report.json` (a t interval over an arm's seeds, or
-a contrast's Welch interval), so a number edited by hand, or left behind by a new sweep, fails here."""
+half-width), or in study 4's `benchmarks/results/mismatch_study/report.json` or study 5's
+`benchmarks/results/truncation_study/report.json` (a t interval over an arm's seeds, or a contrast's Welch interval),
+so a number edited by hand, or left behind by a new sweep, fails here."""
 
 import json
 import math
@@ -12,6 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "compare_estimators"
 STUDY4 = REPO / "benchmarks" / "results" / "mismatch_study" / "report.json"
+STUDY5 = REPO / "benchmarks" / "results" / "truncation_study" / "report.json"  # one condition, study 4's layout
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import mismatch_study  # noqa: E402
@@ -61,6 +63,8 @@ def test_every_interval_on_the_page_is_a_result():
         result_intervals(json.loads((RESULTS / name).read_text()), results)
     if STUDY4.exists():
         study4_intervals(json.loads(STUDY4.read_text()), results)
+    if STUDY5.exists():
+        study4_intervals({"top_k6": json.loads(STUDY5.read_text())}, results)
     shown = page_intervals()
     assert len(shown) > 40  # the parser found the tables and the text
     missing = [t for t in shown if not any(all(abs(a - b) <= 0.0011 for a, b in zip(t, r)) for r in results)]
