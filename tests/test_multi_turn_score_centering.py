@@ -244,7 +244,9 @@ def test_tool_loop_with_a_replayed_truncation(tool_model, tmp_path):
     assert support[~model_tokens].eq(ABSENT).all()
     logq = sampler_logq(tool_model, batch)
     top = logq.topk(5, -1)
-    assert torch.equal(support[model_tokens].sort(-1).values, top.indices[model_tokens].sort(-1).values)
+    kept = support[model_tokens].sort(-1, descending=True).values  # the kept ids first, then the empty slots
+    assert kept[:, 5:].eq(ABSENT).all()  # no ties at the 5th score here: 5 of the 10 slots hold ids
+    assert torch.equal(kept[:, :5].sort(-1).values, top.indices[model_tokens].sort(-1).values)
     log_q_s = torch.log_softmax(top.values, -1)  # log q renormalized over the kept 5, in rank order
     torch.testing.assert_close(batch["sampler_head_logps"][model_tokens].double(), log_q_s[model_tokens],
                                rtol=0, atol=1e-4)

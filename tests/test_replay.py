@@ -114,7 +114,7 @@ def on_policy_run(tmp_path, tiny_model, settings, replay, score_centering=False)
                      replay_sampler_support=replay, score_centering=score_centering,
                      score_centering_top_k=settings["top_k"] if score_centering else 32, **settings)
     trainer = SupportRecordingTrainer(model=tiny_model, reward_funcs=[copy_first_char_reward, length_reward],
-                                      args=args, train_dataset=copy_task_dataset(16), bound=settings["top_k"])
+                                      args=args, train_dataset=copy_task_dataset(16), bound=2 * settings["top_k"])
     trainer.train()
     batch = trainer.generation_batches[0]
     ids, logps, sampled = trainer.recorded[0].tensors(batch["completion_ids"].size(1))

@@ -474,19 +474,21 @@ def test_server_generation_gives_the_trainers_top_k(vllm_server, vllm_model):
 
 def test_server_generation_gives_the_kept_set_of_a_truncating_sampler(vllm_server, vllm_model):
     """What RPPTrainer records from a server at top_k=6 (`replay_sampler_support`): with processed log-probs and
-    `logprobs=6`, the finite entries are the kept set, here the checkpoint's 6 most probable tokens at every
-    position, and their log-probs log q_S, the trainer's renormalized over them."""
+    `logprobs=12` (`record_width`), the finite entries are the kept set, here the checkpoint's 6 most probable
+    tokens at every position, and their log-probs log q_S, the trainer's renormalized over them; the rest -inf."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from trl_rpp.replay import record_width
     from trl_rpp.sampling import parse_vllm_topk
-    from trl_rpp.truncation import support_of
+    from trl_rpp.truncation import ABSENT, support_of
 
     tok = AutoTokenizer.from_pretrained(vllm_model)
     model = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32).eval()
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("a:", "bc:")]
-    out = vllm_server.generate(prompts, n=2, temperature=0.9, top_k=6, max_tokens=8, logprobs=6)
+    width = record_width(6)
+    out = vllm_server.generate(prompts, n=2, temperature=0.9, top_k=6, max_tokens=8, logprobs=width)
     completions = out["completion_ids"]
-    _, recorded = parse_vllm_topk(completions, out["logprobs"], out["logprob_token_ids"], 6)
+    _, recorded = parse_vllm_topk(completions, out["logprobs"], out["logprob_token_ids"], width)
     ids, logps, sampled = recorded.tensors(max(len(c) for c in completions))
     support = support_of(ids, logps)
     positions = 0
@@ -496,7 +498,8 @@ def test_server_generation_gives_the_kept_set_of_a_truncating_sampler(vllm_serve
             logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double()
         top = (logits / 0.9).topk(6, -1)
         for t, token in enumerate(completion):
-            assert set(support[b, t].tolist()) == set(top.indices[t].tolist()), (b, t)
+            kept = support[b, t].tolist()
+            assert kept.count(ABSENT) == width - 6 and set(kept) - {ABSENT} == set(top.indices[t].tolist()), (b, t)
             assert token in support[b, t].tolist()
             log_q_s = torch.log_softmax(top.values[t], -1)
             engine = dict(zip(ids[b, t].tolist(), logps[b, t].double().tolist()))

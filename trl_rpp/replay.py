@@ -11,15 +11,16 @@ log-prob of a sampled token as `log pi(y | S_t)`, renormalized over the same set
   `pi_ref(. | S_t)`, both renormalized over the sampler's set. Samples come from `q_S`, so only then is the k1
   mean an estimate of a KL (that of the two truncated distributions) and the k2 gradient that KL's gradient; the
   full-vocabulary form adds `log pi(S_t) - log pi_ref(S_t)`, which samples from `q_S` never average out;
-- score centering: the sampler's head is the kept set's first `min(score_centering_top_k, top_k)` ids, and the
+- score centering: the sampler's head is the kept set's first `min(score_centering_top_k, 2 top_k)` ids, and the
   centered score `grad log pi(y | S) - E_{q_S}[grad log pi(. | S)]` is taken under `q_S` (no tail when the head
   holds the whole set).
 
 Where the set comes from: transformers' `generate` records it after every warper (`SamplerSupportCapture`); vLLM
-returns it with `logprobs = top_k` and `logprobs_mode="processed_logprobs"` (the colocated engine's mode, and the
-one a server must run): the kept ids carry finite log-probs, the others `-inf`. The bound: `top_k` holds every kept
-set, so it must be set (1 to `MAX_SUPPORT`) whenever something truncates, as vLLM bounds its own log-probs.
-Memory is `O(B * T * top_k)` ids and log-probs.
+returns it with `logprobs = 2 top_k` and `logprobs_mode="processed_logprobs"` (the colocated engine's mode, and the
+one a server must run): the kept ids carry finite log-probs, the others `-inf`. The bound: `top_k` must be set (1 to
+`MAX_SUPPORT`) whenever something truncates, as vLLM bounds its own log-probs; the record holds `2 top_k` ids per
+position (`record_width`), room for the ties `top_k` keeps at its k-th score, and a larger kept set raises. Memory is
+`O(B * T * top_k)` ids and log-probs.
 """
 
 from __future__ import annotations
@@ -30,10 +31,17 @@ from .errors import unsupported
 from .sampling import NEUTRAL_SAMPLING, NEUTRAL_VLLM_SAMPLING
 from .truncation import ABSENT, support_logps
 
-MAX_SUPPORT = 256  # ids per position: 12 bytes each, and vLLM's Python lists of as many log-probs
+MAX_SUPPORT = 256  # the largest top_k: the record holds twice as many ids per position (`record_width`)
 # The settings whose effect on q is a truncation to a kept set, which the replay reproduces exactly.
 REPLAYED = ("top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
 REPLAYED_VLLM = ("top_k", "top_p", "min_p")
+
+
+def record_width(bound: int | None) -> int:
+    """Ids recorded per position for a kept-set bound `top_k`: twice as many (0 without a bound). `top_k` keeps every
+    token whose score ties the k-th, so a kept set can exceed `top_k`, often with a bfloat16 engine (measured: a
+    SmolLM2 vLLM engine in bf16 at top_k=20); the record has room for such ties, and a larger set raises."""
+    return 2 * bound if bound else 0
 
 
 def truncating(settings: dict, vllm: bool) -> list[str]:

@@ -64,7 +64,7 @@ from .preemption import Preemption
 from .rollouts import install_rollout_checks
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_funcs
 from .replay import check_tokens_in_support, completion_logits, full_entropies, head_is_whole_support
-from .replay import replayed_logps, support_bound
+from .replay import record_width, replayed_logps, support_bound
 from .sampling import SamplerTopKCapture, capturing_generate
 from .score_centering import importance_weight_fn, sampled_and_head_logps, score_centered_ppo_loss
 from .score_centering import score_centering_metric_sums
@@ -167,7 +167,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         # score centering's head size; 0 when nothing is recorded.
         sampler = {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, **(args.generation_kwargs or {})}
         bound = support_bound(sampler, args.use_vllm, args.replay_sampler_support)
-        vllm_logprobs = (bound or (k if args.score_centering else 0)) + 1 if args.use_vllm else 0
+        vllm_logprobs = (record_width(bound) or (k if args.score_centering else 0)) + 1 if args.use_vllm else 0
         with borrowed_beta(args, self._rpp_needs_ref), vllm_engine_args(vllm_logprobs, args.vllm_dtype):
             super().__init__(model, reward_funcs, args, **kwargs)
         self.beta = 0.0
@@ -175,7 +175,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             merged = {**self.accelerator.unwrap_model(self.model).generation_config.to_dict(), **self.generation_kwargs}
             bound = support_bound(merged, False, args.replay_sampler_support, where="the model's generation config: ")
         self._rpp_bound = bound  # None: no replay
-        self._rpp_width = bound or (k if args.score_centering else 0)
+        self._rpp_width = record_width(bound) or (k if args.score_centering else 0)
         install_rollout_checks(self)  # env_mask / tool_mask rows must match their completions (trl_rpp.rollouts)
         self._rpp_preemption = Preemption(self, args.preemption_signals)
         check_normalization_group(self.accelerator.parallelism_config)
@@ -266,7 +266,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         if not self._rpp_width:
             return parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
         if self._rpp_bound:  # the kept set and log q_S, after every warper
-            capture = SamplerSupportCapture(self._rpp_bound)
+            capture = SamplerSupportCapture(self._rpp_width)
         else:  # the top-k of the full softmax, before the (neutral) warpers
             capture = SamplerTopKCapture(self.args.score_centering_top_k, self.temperature)
         model = self.accelerator.unwrap_model(self.model_wrapped)

@@ -121,6 +121,6 @@ class SamplerSupportCapture(SamplerTopKCapture):
         if self.kept:
             most = int(torch.stack(self.kept).max())  # one host read per generation, after it
             if most > self.bound:
-                raise ValueError(f"the sampler kept {most} tokens at one step, more than the support bound "
-                                 f"{self.bound}; set top_k <= {self.bound} so that every kept set fits")
+                raise ValueError(f"the sampler kept {most} tokens at one step, more than the {self.bound} the record "
+                                 "holds; lower top_k (ties at its k-th score keep more than top_k tokens)")
         return super().tensors(length)
