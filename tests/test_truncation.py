@@ -192,3 +192,37 @@ def test_a_kept_set_larger_than_the_bound_is_refused_naming_it(tiny_model):
     with pytest.raises(ValueError, match=r"^the sampler kept 10 tokens at one step, more than the 3 the record holds; "
                                          r"lower top_k"):
         capture.tensors(2)
+
+
+def test_ties_at_the_kth_score_fit_in_the_record(tiny_model):
+    """`top_k` keeps every token tied with its k-th score: three tied scores at top_k=2 keep three tokens. The record
+    (`record_width(2)` = 4 ids) holds them, each at log q_S = log(1/3); a top_k-wide record could not."""
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    from trl_rpp.replay import record_width
+    from trl_rpp.sampling import capturing_generate
+    from trl_rpp.truncation import SamplerSupportCapture, support_of
+
+    class Tied(LogitsProcessor):  # runs before the warpers: ids 5, 6, 7 tie, 8 is next
+        def __call__(self, input_ids, scores):
+            scores = torch.full_like(scores, -30.0)
+            scores[:, [5, 6, 7]], scores[:, 8] = 1.0, 0.5
+            return scores
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    for bound, fits in ((record_width(2), True), (2, False)):
+        torch.manual_seed(0)
+        capture = SamplerSupportCapture(bound=bound)
+        with capturing_generate(model, capture, last=True):
+            out = model.generate(input_ids=torch.tensor([[3, 4]]), max_new_tokens=3, do_sample=True, top_k=2,
+                                 pad_token_id=0, eos_token_id=None, logits_processor=LogitsProcessorList([Tied()]))
+        if not fits:
+            with pytest.raises(ValueError, match=r"^the sampler kept 3 tokens at one step, more than the 2"):
+                capture.tensors(3)
+            continue
+        ids, logps, sampled = capture.tensors(3)
+        kept = support_of(ids, logps)
+        assert [sorted(v for v in row if v != ABSENT) for row in kept[0].tolist()] == [[5, 6, 7]] * 3
+        assert set(out[0, 2:].tolist()) <= {5, 6, 7}
+        torch.testing.assert_close(sampled[0].double(), torch.full((3,), math.log(1 / 3), dtype=torch.float64),
+                                   rtol=0, atol=1e-6)
