@@ -1,14 +1,14 @@
 """Multi-turn rollouts through RPPTrainer: shared by tests/test_multi_turn.py and, as a script, run by it under
 `accelerate launch --multi_gpu --num_processes 2` (gloo on CPU).
 
-The rollout is docs/numerics.md's `rollout_func` block, executed as written, with two additions of the test's own
-environment: a final feedback token after the model's last turn on every other completion (a hole after the last
-model token), and a record of every row it returned, so the tests rebuild the model-token mask from the rollout's own
-`env_mask`, not from the trainer's batch.
+The rollout (`rollout_func` below): two model turns, each sampled with the trainer's own `generate` settings, and a
+deterministic environment between them, with two additions: a final feedback token after the model's last turn on
+every other completion (a hole after the last model token), and a record of every row it returned, so the tests
+rebuild the model-token mask from the rollout's own `env_mask`, not from the trainer's batch.
 """
 
+import copy
 import os
-import re
 import sys
 import warnings
 from pathlib import Path
@@ -22,26 +22,45 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trainer_helpers import CaptureTrainer, length_reward, make_args  # noqa: E402
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
 
-DOCS = Path(HERE).parent / "docs" / "numerics.md"
-SECTION = "### Passing a multi-turn `rollout_func`"
+
+def feedback(prompt_ids, turn_ids):
+    """The environment: 1-3 deterministic tokens after the model's first turn (here an echo of the conversation)."""
+    return (prompt_ids + turn_ids)[: 1 + sum(turn_ids) % 3]
 
 
-def docs_rollout_func():
-    """The `rollout_func` of docs/numerics.md, executed from the page."""
-    text = DOCS.read_text()
-    (block,) = re.findall(r"```python\n(.*?)```", text[text.index(SECTION):], flags=re.S)[:1]
-    namespace = {}
-    exec(compile(block, f"{DOCS}:rollout_func", "exec"), namespace)
-    return namespace["rollout_func"]
+def generate_turn(model, ids, config):
+    """One model turn, sampled with `config`, and the sampled tokens' log-probs under the sampling distribution."""
+    out = model.generate(torch.tensor([ids], device=model.device), generation_config=config)
+    new = out.sequences[0, len(ids):].tolist()
+    logps = torch.stack([torch.log_softmax(s[0].float(), -1)[t] for s, t in zip(out.scores, new)])
+    return new, logps.tolist()
+
+
+def rollout_func(prompts, trainer):
+    tokenizer, model = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model)
+    config = copy.deepcopy(trainer.generation_config)  # the trainer's sampling settings, at most 2 tokens a turn
+    config.update(max_new_tokens=2, output_scores=True, return_dict_in_generate=True)
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+    with torch.no_grad():
+        for prompt in prompts:
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            turn1, logps1 = generate_turn(model, prompt_ids, config)
+            env = feedback(prompt_ids, turn1)
+            turn2, logps2 = generate_turn(model, prompt_ids + turn1 + env, config)  # sees prompt, turn 1, env
+            out["prompt_ids"].append(prompt_ids)
+            out["completion_ids"].append(turn1 + env + turn2)
+            out["logprobs"].append(logps1 + [0.0] * len(env) + logps2)
+            out["env_mask"].append([1] * len(turn1) + [0] * len(env) + [1] * len(turn2))
+    return out
 
 
 class RecordedRollout:
-    """The docs' rollout plus a final environment token (the prompt's first token) on every other row. Records every
+    """`rollout_func` plus a final environment token (the prompt's first token) on every other row. Records every
     call's rows in order, `calls[g] = [(prompt_ids, completion_ids, env_mask), ...]` (generation batch g, as built),
     and `rows[(prompt_ids, completion_ids)] = env_mask` to find a row again after TRL shuffled the batch."""
 
     def __init__(self, final_feedback=True):
-        self.inner = docs_rollout_func()
+        self.inner = rollout_func
         self.final_feedback = final_feedback
         self.rows, self.calls = {}, []
 

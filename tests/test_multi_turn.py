@@ -1,9 +1,9 @@
 """Multi-turn rollouts through RPPTrainer: what each estimator does at environment tokens (`env_mask` 0, TRL's
 `tool_mask`), against the float64 reference (`tests/reference.py`).
 
-The rollout is docs/numerics.md's `rollout_func`: two model turns, each sampled by the tiny model's `generate`, the
-second conditioned on the prompt, the first turn and 1-3 environment tokens between them, plus one environment token
-after the last turn on every other completion (`tests/multi_turn_script.py`). The model-token mask of every check is
+The rollout is `tests/multi_turn_script.py`'s `rollout_func`: two model turns, each sampled by the tiny model's
+`generate`, the second conditioned on the prompt, the first turn and 1-3 environment tokens between them, plus one
+environment token after the last turn on every other completion. The model-token mask of every check is
 rebuilt from the rollout's own `env_mask`, never read from the trainer's batch.
 """
 
