@@ -187,6 +187,11 @@ RPP_FIELDS = {
         honored={RPP: ({"use_vllm": True}, "float32"), BASE: ({"use_vllm": True}, "float32")},
         ignored={RPP: ({"use_vllm": False}, ["float32"]), BASE: ({"use_vllm": False}, ["bfloat16"])},
     ),
+    "vllm_server_request_timeout": dict(  # read by the server's client (trl_rpp.engine_faults)
+        honored={RPP: ({"use_vllm": True, "vllm_mode": "server"}, 60.0),
+                 BASE: ({"use_vllm": True, "vllm_mode": "server"}, None)},
+        ignored={RPP: ({"use_vllm": False}, [60.0, None]), BASE: ({"use_vllm": True, "vllm_mode": "colocate"}, [60.0])},
+    ),
     # Read by trl_rpp.grad_guard, except under fp16's gradient scaler (and DeepSpeed), which skip such steps themselves.
     "max_consecutive_skipped_steps": dict(
         honored={RPP: ({}, 0), BASE: ({}, 2)}, ignored={RPP: ({"fp16": True}, [0]), BASE: ({"fp16": True}, [2])},
@@ -247,8 +252,9 @@ def test_rpp_settings_an_estimator_never_reads_are_rejected(name, estimator, set
     # The message names the estimator, or the setting, under which the field is not read, and what is accepted.
     context = {"score_centering_top_k": "score_centering=False", "vllm_dtype": "use_vllm=False",
                "replay_sampler_support": "no truncating sampler setting",
-               "max_consecutive_skipped_steps": "fp16=True"}.get(
-        name, f"advantage_estimator={estimator!r}")
+               "max_consecutive_skipped_steps": "fp16=True",
+               "vllm_server_request_timeout": f"vllm_mode={settings.get('vllm_mode')!r}" if settings.get("use_vllm")
+               else "use_vllm=False"}.get(name, f"advantage_estimator={estimator!r}")
     assert context in message and "accepted: " in message, message
 
 

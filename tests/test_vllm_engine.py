@@ -425,6 +425,7 @@ def vllm_server(vllm_model):
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         client = VLLMClient(base_url=f"http://127.0.0.1:{port}", connection_timeout=300)
+        client.server_process = proc  # for the test that stops it
         yield client
     except Exception as e:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -507,6 +508,40 @@ def test_server_generation_gives_the_kept_set_of_a_truncating_sampler(vllm_serve
                 assert math.isclose(engine[v], want, abs_tol=LOGP_ATOL), (b, t, v, engine[v], want)
             positions += 1
     assert positions > 0
+
+
+def test_a_server_that_stops_answering_fails_the_call_within_the_time_limit(vllm_server):
+    """What RPPTrainer installs on process 0's client in server mode (`guard_server_client`): the server, stopped
+    with SIGSTOP, accepts the request and never answers; after the 2 s limit (TRL's client alone would send it six
+    times, with 60 s of back-off between), the call returns one EOS per completion, which TRL would broadcast, and keeps the failure for `EngineFaults.settle`.
+    The same client, guarded, gets the server's completions before and after."""
+    import time
+
+    import requests
+    from trl.generation.vllm_client import VLLMClient
+
+    from trl_rpp.engine_faults import EngineFaults, guard_server_client
+
+    client, faults, eos = VLLMClient(base_url=vllm_server.base_url), EngineFaults(), 2
+    guard_server_client(client, faults, eos, timeout=2.0)
+    prompts = [[3, 4, 5], [6, 7]]
+    answered = client.generate(prompts=prompts, n=2, max_tokens=4)
+    assert len(answered["completion_ids"]) == 4 and faults.failure is None
+    os.killpg(vllm_server.server_process.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        out = client.generate(prompts=prompts, n=2, max_tokens=4)
+        took = time.monotonic() - start
+    finally:
+        os.killpg(vllm_server.server_process.pid, signal.SIGCONT)
+    print(f"\na stopped server: the call failed after {took:.2f} s (limit 2 s)")
+    assert 2.0 <= took < 6.0, took
+    assert isinstance(faults.failure, requests.RequestException), repr(faults.failure)
+    assert out == {"prompt_ids": prompts, "completion_ids": [[eos]] * 4, "logprobs": [[[0.0]]] * 4,
+                   "logprob_token_ids": [[[eos]]] * 4}
+    faults.failure = None
+    assert len(client.generate(prompts=prompts, n=2, max_tokens=4)["completion_ids"]) == 4  # it answers again
+    assert faults.failure is None
 
 
 def test_server_weight_sync_needs_cuda(vllm_server):

@@ -229,6 +229,17 @@ class RPPConfig(GRPOConfig):
         },
     )
 
+    vllm_server_request_timeout: float | None = field(
+        default=1800.0,
+        metadata={
+            "help": "Time limit in seconds for the answer to one request to the vLLM server "
+            '(`use_vllm=True`, `vllm_mode="server"`), weight updates included. TRL\'s client sets none, so a server '
+            "that stops answering would hang the run. A request with no answer in time, or that fails mid-answer, is "
+            "not sent again: the run stops with `GenerationEngineError` on every process "
+            "(`trl_rpp.engine_faults`). `None` sets no limit. Must be `None` or a finite float `> 0`.",
+        },
+    )
+
     max_consecutive_skipped_steps: int = field(
         default=_MAX_CONSECUTIVE_SKIPPED_STEPS,
         metadata={
@@ -425,6 +436,11 @@ _RULES = [
           when=lambda c: not c.use_vllm, under="use_vllm={use_vllm!r}"),
     _Rule("vllm_dtype", _equals("auto"), "'auto'", "A vLLM server takes its dtype from `vllm serve --dtype`.",
           when=lambda c: c.vllm_mode != "colocate", under="vllm_mode={vllm_mode!r}"),
+    _Rule("vllm_server_request_timeout", _optional(_positive_finite), "None (no limit) or a finite float > 0, in seconds"),
+    _Rule("vllm_server_request_timeout", _equals(1800.0), "1800.0 (its default)", "Only a vLLM server's client reads it.",
+          when=lambda c: not c.use_vllm, under="use_vllm={use_vllm!r}"),
+    _Rule("vllm_server_request_timeout", _equals(1800.0), "1800.0 (its default)", "Only a vLLM server's client reads "
+          "it.", when=lambda c: c.use_vllm and c.vllm_mode != "server", under="vllm_mode={vllm_mode!r}"),
     _Rule("normalize_advantages", bool, "True", "Both estimators are defined with global advantage normalization.",
           under=_EST),
     _Rule("gamma", lambda x: _real(x) and 0.0 <= x <= 1.0, "a float in [0, 1]",

