@@ -52,6 +52,20 @@ def test_sampled_logprob_is_selected_by_id_not_rank():
     assert (head[1, 1:] == -math.inf).all() and (head[0, 2] == -math.inf).all()
 
 
+def test_a_servers_minus_9999_is_outside_the_kept_set():
+    """vLLM's server writes the -inf log-prob of a token outside a truncating sampler's kept set as -9999.0: such
+    entries are absent from the record, so the kept set is the finite rest (what TRL's client hands over)."""
+    from trl_rpp.truncation import ABSENT, support_of
+
+    logprobs = [[[-0.4, -1.1, -9999.0, -9999.0]]]
+    token_ids = [[[8, 3, 5, 9]]]
+    sampled, recorded = parse_vllm_topk([[3]], logprobs, token_ids, 4)
+    ids, head, _ = recorded.tensors(1)
+    assert sampled == [[-1.1]]
+    assert head[0, 0].tolist() == [pytest.approx(-0.4), pytest.approx(-1.1), -math.inf, -math.inf]
+    assert support_of(ids, head)[0, 0].tolist() == [8, 3, ABSENT, ABSENT]
+
+
 def test_missing_sampled_token_is_an_error():
     logprobs, token_ids = extract_logprobs([request([{1: (-0.1, 1), 2: (-2.0, 2)}])])
     with pytest.raises(ValueError, match="do not include the sampled token 5"):

@@ -245,6 +245,11 @@ class RecordedTopK:
         return ids, logps, sampled
 
 
+# vLLM's OpenAI server writes a -inf log-prob (a token outside a truncating sampler's kept set) as -9999.0, since
+# JSON has no -inf; no kept token's log-prob comes near it.
+SERVER_NEG_INF = -9999.0
+
+
 def parse_vllm_topk(completion_ids, logprobs, logprob_token_ids, k: int):
     """Split TRL's vLLM log-prob lists into the sampled token's log-prob and the sampler's top-k head.
 
@@ -252,7 +257,7 @@ def parse_vllm_topk(completion_ids, logprobs, logprob_token_ids, k: int):
     the sampled token; TRL sorts each position's entries by rank (`extract_logprobs`), so entry 0 is the most
     probable token, *not* the sampled one. The sampled token's log-prob is therefore selected by id. NaN log-probs
     (`None` in TRL's lists) stay `None` for the sampled token (TRL turns them into NaN and neutralizes them) and
-    become absent (`-inf`) entries of the head.
+    become absent (`-inf`) entries of the head, as do a server's `-9999.0` (its `-inf`, `SERVER_NEG_INF`).
 
     Args:
         completion_ids: ``B`` lists of sampled token ids.
@@ -315,7 +320,7 @@ def parse_vllm_topk(completion_ids, logprobs, logprob_token_ids, k: int):
     head_ids = entry_ids[src]
     head_ids[~present] = 0
     head_lps = entry_lps[src]
-    head_lps[~present | np.isnan(head_lps)] = -np.inf
+    head_lps[~present | np.isnan(head_lps) | (head_lps <= SERVER_NEG_INF)] = -np.inf
 
     # Rows of the [B * T] position grid that the P valid positions fill (all of them when no sequence is short).
     # Position t of sequence b is valid position p = seq_start[b] + t and grid row b * T + t.
