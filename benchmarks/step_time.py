@@ -149,8 +149,10 @@ def child_peak(arm, model_path, opts):
     cmd += ["--steps_per_generation", str(opts.steps_per_generation), "--top_k", str(opts.top_k)]
     cmd += ["--vllm"] if opts.vllm else []
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the memory run of {arm} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main():
@@ -198,6 +200,8 @@ def main():
             return
 
         arms = opts.arms.split(",")
+        # Memory first, each arm in a fresh process, while this one holds no trainer (and, with --vllm, no engine).
+        peaks = {arm: None if opts.skip_memory else child_peak(arm, model_path, opts) for arm in arms}
         trainers = {arm: make_trainer(arm, model_path, opts, tmp) for arm in arms}
         for _ in range(opts.rounds):
             for arm, (trainer, timer) in trainers.items():
@@ -205,7 +209,6 @@ def main():
                 trainer.train()
                 del timer.times[before]  # warm-up step of this round
         medians = {arm: statistics.median(timer.times) for arm, (_, timer) in trainers.items()}
-        peaks = {arm: None if opts.skip_memory else child_peak(arm, model_path, opts) for arm in arms}
 
     base = medians[opts.base]
     model = opts.model or f"tiny Llama hidden={opts.hidden} x4 layers"
