@@ -511,19 +511,20 @@ def test_server_generation_gives_the_kept_set_of_a_truncating_sampler(vllm_serve
 
 
 def test_a_server_that_stops_answering_fails_the_call_within_the_time_limit(vllm_server):
-    """What RPPTrainer installs on process 0's client in server mode (`guard_server_client`): the server, stopped
-    with SIGSTOP, accepts the request and never answers; after the 2 s limit (TRL's client alone would send it six
-    times, with 60 s of back-off between), the call returns one EOS per completion, which TRL would broadcast, and keeps the failure for `EngineFaults.settle`.
-    The same client, guarded, gets the server's completions before and after."""
+    """What RPPTrainer installs on process 0's client in server mode (`guard_server_client`, through
+    `guard_client`): the server, stopped with SIGSTOP, accepts the request and never answers; after the 2 s limit
+    (TRL's client alone would send it six times, with 60 s of back-off between), the call returns one EOS per
+    completion, which TRL would broadcast, and keeps the failure for `EngineFaults.settle`. The same client, guarded,
+    gets the server's completions before and after."""
     import time
 
     import requests
     from trl.generation.vllm_client import VLLMClient
 
-    from trl_rpp.engine_faults import EngineFaults, guard_server_client
+    from trl_rpp.engine_faults import EngineFaults, guard_client
 
     client, faults, eos = VLLMClient(base_url=vllm_server.base_url), EngineFaults(), 2
-    guard_server_client(client, faults, eos, timeout=2.0)
+    guard_client(client, faults, eos, timeout=2.0)
     prompts = [[3, 4, 5], [6, 7]]
     answered = client.generate(prompts=prompts, n=2, max_tokens=4)
     assert len(answered["completion_ids"]) == 4 and faults.failure is None

@@ -80,11 +80,19 @@ def first_eos(trainer) -> int:
     return trainer.eos_token_ids[0] if isinstance(trainer.eos_token_ids, (list, tuple)) else trainer.eos_token_ids
 
 
-def guard_server_client(client, faults: EngineFaults, eos: int, timeout: float | None):
-    """Make TRL's `VLLMClient` (`client`) answer a failed `generate` with one `eos` per completion (log-prob 0),
-    keeping the failure in `faults` for `EngineFaults.settle`, so that process 0 reaches TRL's broadcast. Every
-    request of the client waits at most `timeout` seconds for its answer (`None`: no limit), and a read that timed
-    out or broke is not retried: the client's other retries (connection, HTTP 500/502/503) stay as TRL set them."""
+def guard_server_client(trainer, faults: EngineFaults):
+    """In vLLM server mode, on process 0 (TRL's only client): make TRL's `VLLMClient` answer a failed `generate` with
+    one EOS per completion (log-prob 0), keeping the failure in `faults` for `EngineFaults.settle`, so that process 0
+    reaches TRL's broadcast. Every request waits at most `vllm_server_request_timeout` seconds for its answer
+    (`None`: no limit), and a read that timed out or broke is not retried: the client's other retries (connection,
+    HTTP 500/502/503) stay as TRL set them."""
+    args = trainer.args
+    if args.use_vllm and args.vllm_mode == "server" and trainer.accelerator.is_main_process:
+        guard_client(trainer.vllm_generation.vllm_client, faults, first_eos(trainer), args.vllm_server_request_timeout)
+
+
+def guard_client(client, faults: EngineFaults, eos: int, timeout: float | None):
+    """`guard_server_client` on a given `VLLMClient`, answering a failed `generate` with `eos` tokens."""
     for adapter in client.session.adapters.values():
         adapter.max_retries = adapter.max_retries.new(read=0)
     if timeout is not None:

@@ -37,14 +37,11 @@ REPLAYED = ("top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutof
 REPLAYED_VLLM = ("top_k", "top_p", "min_p")
 
 
-def record_width(bound: int | None, vocab_size: int | None = None) -> int:
-    """Ids recorded per position for a kept-set bound `top_k`: twice as many, at most the vocabulary (0 without a
-    bound). `top_k` keeps every token whose score ties the k-th, so a kept set can exceed `top_k`, often with a
-    bfloat16 engine (measured: a SmolLM2 vLLM engine in bf16 at top_k=20); the record has room for such ties, and a
-    larger set raises. No set exceeds the vocabulary, and neither vLLM nor `torch.topk` can return more entries."""
-    if not bound:
-        return 0
-    return 2 * bound if vocab_size is None else min(2 * bound, vocab_size)
+def record_width(bound: int | None) -> int:
+    """Ids recorded per position for a kept-set bound `top_k`: twice as many (0 without a bound). `top_k` keeps every
+    token whose score ties the k-th, so a kept set can exceed `top_k`, often with a bfloat16 engine (measured: a
+    SmolLM2 vLLM engine in bf16 at top_k=20); the record has room for such ties, and a larger set raises."""
+    return 2 * bound if bound else 0
 
 
 def truncating(settings: dict, vllm: bool) -> list[str]:

