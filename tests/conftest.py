@@ -128,11 +128,11 @@ def two_process_runs(tmp_path_factory, tiny_model, eos_model):
     runs the two-process trainer cases of several test files in turn: one start of both processes for all."""
     import subprocess
 
-    from trainer_helpers import LAUNCH_ENV, launch_command
+    from trainer_helpers import LAUNCH_ENV, assert_launch_finished, launch_command
 
     outdir = tmp_path_factory.mktemp("two_process_runs")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "two_process_script.py")
     proc = subprocess.run(launch_command(script, str(outdir), tiny_model, eos_model), env=dict(os.environ, **LAUNCH_ENV),
                           capture_output=True, text=True, timeout=540)  # a hung collective fails instead of blocking
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert_launch_finished(outdir, proc.returncode, proc.stdout[-3000:] + proc.stderr)
     return outdir

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from trainer_helpers import CaptureTrainer, length_reward, make_args  # noqa: E402
+from trainer_helpers import CaptureTrainer, finish_launched, length_reward, make_args  # noqa: E402
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
 
 # name -> (estimator, RPPConfig overrides, uses LoRA). Together: both estimators, a frozen reference copy (k1
@@ -368,3 +368,4 @@ def main(outdir, model_path, eos_model_path, engine, phase=None):
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    finish_launched(sys.argv[1])

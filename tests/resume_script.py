@@ -25,6 +25,7 @@ from trl_rpp.preemption import TrainingPreempted  # noqa: E402
 from trl_rpp.testing.tiny import copy_task_dataset  # noqa: E402
 
 from checkpoint_faults import KILL_POINTS, install_kill  # noqa: E402
+from trainer_helpers import finish_launched  # noqa: E402
 
 
 def wait_for_signals(trainer, marker, count):
@@ -106,10 +107,12 @@ def main():
         with open(os.path.join(a.output_dir, f"preempted_rank{trainer.accelerator.process_index}.json"), "w") as f:
             json.dump(dict(signal=stop.signal_name, step=stop.step, checkpoint=stop.checkpoint,
                            global_step=trainer.state.global_step), f)
+        finish_launched(a.output_dir)
         sys.exit(stop.exit_code)
     if trainer.accelerator.is_main_process:
         with open(os.path.join(a.output_dir, "log_history.json"), "w") as f:
             json.dump(dict(log_history=trainer.state.log_history, steps_run_here=calls), f)
+    finish_launched(a.output_dir)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from trainer_helpers import CaptureTrainer, make_args  # noqa: E402
+from trainer_helpers import CaptureTrainer, finish_launched, make_args  # noqa: E402
 from trl_rpp.reward_faults import RewardFunctionError  # noqa: E402
 from trl_rpp.testing.tiny import copy_task_dataset  # noqa: E402
 
@@ -88,3 +88,4 @@ def main(outdir, model_path):
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    finish_launched(sys.argv[1])

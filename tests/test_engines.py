@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from test_preemption import finish, wait_for
-from trainer_helpers import LAUNCH_ENV, launch_command
+from trainer_helpers import LAUNCH_ENV, assert_launch_finished, launch_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(os.path.dirname(HERE), "examples", "accelerate_configs")
@@ -50,7 +50,8 @@ def start_launch(config, script_args, extra_env=None):
 
 
 def launch(config, script_args, timeout=LAUNCH_TIMEOUT_S, extra_env=None):
-    """`start_launch`, waited for; killed as a whole process group on timeout."""
+    """`start_launch` of `script_args` = [script, OUTDIR, ...], waited for (killed as a whole process group on
+    timeout) until both processes have finished the script (`assert_launch_finished`)."""
     proc = start_launch(config, script_args, extra_env)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -58,7 +59,7 @@ def launch(config, script_args, timeout=LAUNCH_TIMEOUT_S, extra_env=None):
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"{config}: no result after {timeout} s (hang?)\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-5000:]
+    assert_launch_finished(script_args[1], proc.returncode, out)
     return out
 
 

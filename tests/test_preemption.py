@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from trainer_helpers import launch_command, make_args
+from trainer_helpers import assert_launch_finished, launch_command, make_args
 from trl_rpp import RPPConfig, RPPTrainer
 from trl_rpp.checkpoint import ResumeLayout, checkpoint_problem, required_files
 from trl_rpp.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, parse_preemption_signals
@@ -27,6 +27,15 @@ SPG = ("--steps_per_generation", "2")
 def command(*args, processes=1):
     script = os.path.join(HERE, "resume_script.py")
     return launch_command(script, *args) if processes == 2 else [sys.executable, script, *args]
+
+
+def ended(run, out_dir, processes):
+    """The run trained to its end: one process exits 0 (the script's own status); under `accelerate launch` both
+    processes reach the script's end (the launcher's status is torch elastic's: `assert_launch_finished`)."""
+    if processes == 1:
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    else:
+        assert_launch_finished(out_dir, run.returncode, run.stdout[-3000:] + run.stderr)
 
 
 def per_step(log_history):
@@ -92,7 +101,7 @@ def checkpoints(out_dir):
 def resume(model, out_dir, processes=1):
     run = subprocess.run(command("--model", model, "--output_dir", out_dir, "--resume", *SPG, processes=processes),
                          env=ENV, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ended(run, out_dir, processes)
     with open(os.path.join(out_dir, "log_history.json")) as f:
         return json.load(f)
 
@@ -198,7 +207,7 @@ def reference_2proc(model, tmp_path_factory):
     full = str(tmp_path_factory.mktemp("preempt_full_2proc"))
     run = subprocess.run(command("--model", model, "--output_dir", full, *SPG, processes=2), env=ENV,
                          capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ended(run, full, 2)
     with open(os.path.join(full, "log_history.json")) as f:
         history = json.load(f)
     assert history["steps_run_here"] == [1, 3, 5, 7]

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from trainer_helpers import LAUNCH_ENV, CaptureTrainer, launch_command, length_reward, make_args
+from trainer_helpers import LAUNCH_ENV, CaptureTrainer, assert_launch_finished, launch_command, length_reward, make_args
 from trl_rpp import RPPConfig
 from trl_rpp.reward_faults import RewardFunctionError, _TimedOut, call_in_thread
 from trl_rpp.testing.tiny import copy_task_dataset
@@ -306,7 +306,7 @@ def test_one_process_failing_never_leaves_the_other_waiting(tmp_path, tiny_model
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks it started
         out, _ = proc.communicate()
         pytest.fail("a rank was left waiting: the run did not end within 240 s\n" + out[-3000:])
-    assert proc.returncode == 0, out[-4000:]
+    assert_launch_finished(tmp_path, proc.returncode, out)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
     for run, (origin, step, kind) in {"raise": (0, 2, "error"), "hang": (1, 1, "timeout")}.items():

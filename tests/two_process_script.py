@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dist_trainer_script  # noqa: E402
 import grad_guard_script  # noqa: E402
 import multi_turn_script  # noqa: E402
+from trainer_helpers import finish_launched  # noqa: E402
 
 # grad_guard_stop last: its training ends in NonFiniteGradientError on both processes (caught and recorded).
 PARTS = {
@@ -38,3 +39,4 @@ def main(outdir, model_path, eos_model_path):
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    finish_launched(sys.argv[1])

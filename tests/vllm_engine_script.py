@@ -31,7 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from trainer_helpers import IS_MODES, IS_STEPS_PER_MODE, CaptureTrainer, length_reward  # noqa: E402
+from trainer_helpers import (  # noqa: E402
+    IS_MODES, IS_STEPS_PER_MODE, CaptureTrainer, finish_launched, length_reward,
+)
 from trl_rpp import RPPConfig  # noqa: E402
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
 
@@ -351,3 +353,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    finish_launched(sys.argv[1])

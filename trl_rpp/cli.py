@@ -395,7 +395,15 @@ def train(script_args, training_args, model_args):
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    from trl_rpp.preemption import TrainingPreempted
+
+    try:
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except TrainingPreempted:
+        # Every process stops at the same step, so the group ends here as after a finished run: left to interpreter
+        # shutdown, gloo's threads can abort the process (SIGABRT) in place of status 75.
+        trainer.accelerator.end_training()
+        raise
     before = weight_files(training_args.output_dir)
     trainer.save_model(training_args.output_dir)
     trainer.create_model_card(dataset_name=script_args.dataset_name)
