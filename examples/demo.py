@@ -169,7 +169,7 @@ def demo_setup(a, output_dir):
 
         model_path = build_tiny_model(os.path.join(output_dir, "tiny-base-model"))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        train_rows, heldout_rows = copy_rows(4000, a.seed + 1), copy_rows(128, a.seed + 2)
+        train_rows, heldout_rows = copy_rows(4000, a.seed + 1), copy_rows(a.heldout, a.seed + 2)
         reward_fn, max_new = copy_reward, 2
         config = dict(
             per_device_train_batch_size=64, num_generations=8, max_completion_length=2, learning_rate=a.learning_rate or 3e-3,
@@ -183,7 +183,7 @@ def demo_setup(a, output_dir):
         model_path = str(smollm2_path())
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         train_rows = arithmetic_prompts(tokenizer, 2000, a.seed + 1)
-        heldout_rows = arithmetic_prompts(tokenizer, 128, a.seed + 2)
+        heldout_rows = arithmetic_prompts(tokenizer, a.heldout, a.seed + 2)
         reward_fn, max_new = first_integer_reward, 6
         # What buys nothing in 16 LoRA steps on CPU is off (benchmarks/demo_step_time.py, 2 threads, s per step):
         # the KL loss's reference forward (5.6 of 29.8: adapters off, the whole batch again) and TRL's default
@@ -225,6 +225,7 @@ def main(argv=None):
     p.add_argument("--max_steps", type=int, default=None, help="default: 16 (SmolLM2) or 150 (--tiny)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the cores idle at start, from /proc/stat; see above)")
+    p.add_argument("--heldout", type=int, default=128, help="held-out prompts scored before and after training")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--learning_rate", type=float, default=None, help="default: 5e-4 (SmolLM2, LoRA) or 3e-3 (--tiny)")
     a = p.parse_args(argv)

@@ -43,11 +43,11 @@ def test_demo_tiny_learns_and_leaves_every_artifact(tmp_path):
 
 @pytest.mark.slow
 def test_demo_on_smollm2_writes_a_card_naming_the_hub_model(tmp_path):
-    """`make demo`'s own path (the GGUF-converted SmolLM2, LoRA), cut to one step: the card names the Hub model the
-    GGUF file came from, the adapter and the dataset, with no None and no broken link."""
+    """`make demo`'s own path (the GGUF-converted SmolLM2, LoRA), cut to one step and 16 held-out prompts: the card
+    names the Hub model the GGUF file came from, the adapter and the dataset, with no None and no broken link."""
     out = tmp_path / "demo"
     # Threads: the demo's own choice, the cores idle at its start (the suite's other worker may hold one).
-    stdout = run(["examples/demo.py", "--max_steps", "1", "--output_dir", str(out)], timeout=1200)
+    stdout = run(["examples/demo.py", "--max_steps", "1", "--heldout", "16", "--output_dir", str(out)], timeout=1200)
     assert "held-out greedy accuracy after training" in stdout
     card = (out / "README.md").read_text()
     body = card.split("## Citations")[0]
