@@ -9,12 +9,13 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 import trainer_helpers
-from trainer_helpers import FIRST_PORT, PORTS_PER_WORKER, free_port, launch_command, with_vllm
+from trainer_helpers import FIRST_PORT, PORTS_PER_WORKER, assert_launch_finished, free_port, launch_command, with_vllm
 
 HERE = Path(__file__).resolve().parent
 
@@ -69,6 +70,22 @@ def test_no_launch_outside_launch_command():
     sites = {p.name: _launch_sites(p) for p in HERE.glob("*.py") if p.name not in ("trainer_helpers.py", "test_harness.py")}
     assert {name: s for name, s in sites.items() if s} == {}
     assert _launch_sites(HERE / "trainer_helpers.py"), "the check reads constants: it finds the one real site"
+
+
+def test_a_launch_is_judged_by_every_process_reaching_its_end(tmp_path):
+    """`assert_launch_finished`: a process that did not write its `finished_rank<r>` fails the test whatever the
+    launcher returned; once every process has, a non-zero status (a crash in the interpreter's teardown) warns."""
+    with pytest.raises(AssertionError, match=r"process\(es\) \[0, 1\] did not finish; launcher status 0"):
+        assert_launch_finished(tmp_path, 0, "")
+    (tmp_path / "finished_rank0").touch()
+    with pytest.raises(AssertionError, match=r"process\(es\) \[1\] did not finish; launcher status -6"):
+        assert_launch_finished(tmp_path, -6, "")
+    (tmp_path / "finished_rank1").touch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_launch_finished(tmp_path, 0, "")
+    with pytest.warns(UserWarning, match="every process finished, then the launcher returned -6"):
+        assert_launch_finished(tmp_path, -6, "terminate called without an active exception")
 
 
 # --- network guard ----------------------------------------------------------------------------------------------
