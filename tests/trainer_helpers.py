@@ -176,22 +176,22 @@ LAUNCH_ENV = dict(HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1",
 
 
 def finish_launched(outdir):
-    """The last statement of a test script run under `accelerate launch`: the process group destroyed, as `trl-rpp`
-    ends a run (`accelerator.end_training()`), then `finished_rank<r>` written in `outdir` for
-    `assert_launch_finished`."""
-    rank = 0
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank = torch.distributed.get_rank()
-        torch.distributed.destroy_process_group()
+    """The last statement of a test script run under `accelerate launch`, once everything it records is written:
+    `finished_rank<r>` written in `outdir` for `assert_launch_finished`, then the process group destroyed, as
+    `trl-rpp` ends a run (`accelerator.end_training()`)."""
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank = torch.distributed.get_rank() if initialized else 0
     open(os.path.join(outdir, f"finished_rank{rank}"), "w").close()
+    if initialized:
+        torch.distributed.destroy_process_group()
 
 
 def assert_launch_finished(outdir, returncode, output, processes=2):
     """Every process of a launch ran its script to the end (`finish_launched`). What the launcher returns is torch
-    elastic's status, not the script's: a process that has written all it had to can still die in the interpreter's
-    teardown (SIGABRT, "terminate called without an active exception", from a thread of torch's that outlives
-    Python; seen twice on 2-core machines, once in CI). Such a status changes no result, so it is
-    reported as a warning; a process that did not reach its end fails the test."""
+    elastic's status, not the script's: a process that has written all it had to can still die in the teardown of
+    its process group or interpreter (SIGABRT, "terminate called without an active exception", from a thread of
+    torch's; seen twice on 2-core machines, once in CI). Such a status changes no result, so it is reported as a
+    warning; a process that did not reach its end fails the test."""
     missing = [r for r in range(processes) if not os.path.exists(os.path.join(outdir, f"finished_rank{r}"))]
     assert not missing, f"process(es) {missing} did not finish; launcher status {returncode}\n{output[-5000:]}"
     if returncode != 0:
