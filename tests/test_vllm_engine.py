@@ -358,6 +358,25 @@ def test_the_first_generation_after_a_resume_uses_the_resumed_weights(single):
     assert (engine - initial).abs().max().item() > MIN_MOVE
 
 
+def test_sigterm_with_a_colocated_engine_saves_the_batch_and_resumes_in_it(single):
+    """SIGTERM as step 1 begins, inside a generation batch that spans steps 1 and 2: the engine in the process does
+    not stand in the way. Step 1 ends, checkpoint-1 is complete with the buffered batch, `TrainingPreempted` says so;
+    resumed from it, step 2 trains on that batch (no generation) and the engine, built from the initial weights, is
+    synced to the resumed policy before it generates for step 3."""
+    first, resumed = single["preempt_sync"]["first"], single["preempt_sync"]["resumed"]
+    stop = first["preempted"]
+    assert (stop["signal"], stop["step"], stop["checkpoint"], stop["problem"]) == ("SIGTERM", 1, "checkpoint-1", None)
+    assert "rpp_generation_buffer_rank0.pt" in stop["files"], stop["files"]
+    assert (first["steps"], first["generations"]) == ([1], 1)
+    # The resumed log history starts with checkpoint-1's step 1; steps 2 and 3 ran here, with one generation.
+    assert resumed["preempted"] is None and (resumed["steps"], resumed["generations"]) == ([1, 2, 3], 1)
+    (probe,) = resumed["sync_probes"]
+    assert probe["step"] == 2, probe["step"]
+    engine, trainer, initial = (torch.tensor(probe[k], dtype=torch.float64) for k in ("engine", "trainer", "initial"))
+    assert (engine - trainer).abs().max().item() <= LOGP_ATOL
+    assert (engine - initial).abs().max().item() > MIN_MOVE
+
+
 # --- Two processes, one engine each ------------------------------------------------------------------------------
 
 

@@ -188,6 +188,10 @@ SINGLE = {
                                                           save_steps=2, shuffle_dataset=False), False),
     "resume_sync": ("reinforce_plus_plus", dict(vllm_dtype="float32", max_steps=3, save_strategy="steps", save_steps=2,
                                                 steps_per_generation=2, gradient_accumulation_steps=2), False),
+    # SIGTERM in step 1 of a generation batch that spans steps 1 and 2 (4 micro-batches, 2 per optimizer step): the
+    # preemption checkpoint-1 holds the buffered batch, which the resumed run trains step 2 on.
+    "preempt_sync": ("reinforce_plus_plus_baseline", dict(vllm_dtype="float32", max_steps=3, steps_per_generation=4,
+                                                          gradient_accumulation_steps=2), False),
 }
 LONG_PROMPT = "a" * 80 + ":"  # 81 tokens of the character tokenizer: more than the engine's 64-token context
 # Two processes, one engine each: the normalization population is the union of both processes' completions.
@@ -273,10 +277,52 @@ def resumed_first_probe(outdir, model_path, name, spec, initial_probe):
     return probes
 
 
+def preempted_then_resumed(outdir, model_path, name, spec, initial_probe):
+    """SIGTERM to this process as optimizer step 1 begins; then a second trainer resumed from the checkpoint the
+    preemption saved. What each saw: the `TrainingPreempted`, the checkpoint's problems (None: complete), the steps
+    and generations of both runs, and the resumed run's engine probes."""
+    import signal
+
+    from transformers import TrainerCallback
+
+    from trl_rpp.checkpoint import checkpoint_problem, layout_of
+    from trl_rpp.preemption import TrainingPreempted
+
+    class SigtermAtStep1(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    estimator, overrides, _ = spec
+    runs = []
+    for resume in (None, True):
+        args = make_config(outdir, name, estimator, overrides)
+        trainer = ProbingTrainer(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
+                                 train_dataset=copy_task_dataset(64, seed=1), initial_probe=initial_probe)
+        if resume is None:
+            trainer.add_callback(SigtermAtStep1())
+        run = {"preempted": None}
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        except TrainingPreempted as stop:
+            problem = checkpoint_problem(stop.checkpoint, layout_of(trainer))
+            run["preempted"] = dict(signal=stop.signal_name, step=stop.step, checkpoint=os.path.basename(stop.checkpoint),
+                                    problem=None if problem is None else str(problem),
+                                    files=sorted(os.listdir(stop.checkpoint)))
+        run.update(steps=[h["step"] for h in trainer.state.log_history if "loss" in h],
+                   generations=len(trainer.generation_batches), sync_probes=trainer.sync_probes)
+        runs.append(run)
+        del trainer
+        gc.collect()
+    return {"first": runs[0], "resumed": runs[1]}
+
+
 def run_case(outdir, model_path, name, spec, initial_probe, zero3=False):
     from accelerate.utils import is_peft_model
     from peft import LoraConfig
 
+    if name == "preempt_sync":
+        return preempted_then_resumed(outdir, model_path, name, spec, initial_probe)
     estimator, overrides, lora = spec
     args = make_config(outdir, name, estimator, overrides, zero3)
     peft = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0) if lora else None
