@@ -125,7 +125,7 @@ def main(argv=None):
     torch.set_num_threads(ns.threads)
     demo = load_demo()
     work = tempfile.mkdtemp(prefix="demo_step_time_")
-    demo_ns = argparse.Namespace(tiny=ns.tiny, seed=0, learning_rate=None, max_steps=None, heldout=128)
+    demo_ns = argparse.Namespace(tiny=ns.tiny, seed=0, learning_rate=None, max_steps=None, heldout=demo.HELDOUT)
     setup = demo.demo_setup(demo_ns, work)
     arms = {"gradient_checkpointing=True (TRL default)": True, "gradient_checkpointing=False": False}
     parts = {arm: [] for arm in arms}

@@ -46,6 +46,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `--help` answers at once (tests/test_examples.py checks that it imports none of them).
 
 QUESTION = "What is {a} + {b}? Answer with just the number."
+HELDOUT = 128  # held-out prompts scored before and after training (--heldout)
 
 
 def default_threads(usable_cores: int, busy: float) -> int:
@@ -225,7 +226,7 @@ def main(argv=None):
     p.add_argument("--max_steps", type=int, default=None, help="default: 16 (SmolLM2) or 150 (--tiny)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the cores idle at start, from /proc/stat; see above)")
-    p.add_argument("--heldout", type=int, default=128, help="held-out prompts scored before and after training")
+    p.add_argument("--heldout", type=int, default=HELDOUT, help="held-out prompts scored before and after training")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--learning_rate", type=float, default=None, help="default: 5e-4 (SmolLM2, LoRA) or 3e-3 (--tiny)")
     a = p.parse_args(argv)

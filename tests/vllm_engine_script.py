@@ -222,6 +222,13 @@ def make_config(outdir, name, estimator, overrides, zero3=False):
     return RPPConfig(**base)
 
 
+def probing_trainer(model_path, args, initial_probe, train_dataset=None, **kwargs):
+    """The cases' `ProbingTrainer`: both rewards, on 64 copy-task prompts unless `train_dataset` is given."""
+    return ProbingTrainer(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
+                          train_dataset=copy_task_dataset(64, seed=1) if train_dataset is None else train_dataset,
+                          initial_probe=initial_probe, **kwargs)
+
+
 def failing_dataset(processes):
     """16 prompts in order (shuffle_dataset=False), 2 per process and step, the processes taking consecutive pairs:
     the third step takes rows 4-5 on one process, 8-11 on two. The last process's first prompt of that step does not
@@ -268,8 +275,7 @@ def resumed_first_probe(outdir, model_path, name, spec, initial_probe):
     next to the resumed policy's and the initial weights'."""
     estimator, overrides, _ = spec
     args = make_config(outdir, name, estimator, overrides)
-    trainer = ProbingTrainer(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
-                             train_dataset=copy_task_dataset(64, seed=1), initial_probe=initial_probe)
+    trainer = probing_trainer(model_path, args, initial_probe)
     trainer.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
     probes = trainer.sync_probes
     del trainer
@@ -297,8 +303,7 @@ def preempted_then_resumed(outdir, model_path, name, spec, initial_probe):
     runs = []
     for resume in (None, True):
         args = make_config(outdir, name, estimator, overrides)
-        trainer = ProbingTrainer(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
-                                 train_dataset=copy_task_dataset(64, seed=1), initial_probe=initial_probe)
+        trainer = probing_trainer(model_path, args, initial_probe)
         if resume is None:
             trainer.add_callback(SigtermAtStep1())
         run = {"preempted": None}
@@ -327,10 +332,9 @@ def run_case(outdir, model_path, name, spec, initial_probe, zero3=False):
     args = make_config(outdir, name, estimator, overrides, zero3)
     peft = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0) if lora else None
     fails = name.endswith("engine_fails")
-    trainer = ProbingTrainer(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
-                             train_dataset=failing_dataset(args.world_size) if fails else copy_task_dataset(64, seed=1),
-                             peft_config=peft, initial_probe=initial_probe,
-                             cycle_is_modes=name.startswith("is_reinforce"))
+    trainer = probing_trainer(model_path, args, initial_probe, peft_config=peft,
+                              train_dataset=failing_dataset(args.world_size) if fails else None,
+                              cycle_is_modes=name.startswith("is_reinforce"))
     sampler_logps_recorder(trainer)
     failure = train_until_the_engine_fails(trainer) if fails else trainer.train()
     engine = trainer.vllm_generation.llm.llm_engine
