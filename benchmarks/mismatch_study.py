@@ -362,14 +362,15 @@ def sampled_trainer(base, generating, correct=None, weight_fn=None, setup=None, 
     The sampler's log q per token reaches the trainer by the trainer's own record when it keeps one (score
     centering's top-k capture, or the replay's kept sets with `replay_sampler_support`: ``log q_S``), else by a
     capture of the sampled token's log-prob inside the sampler's ``generate``: after every warper when the sampler
-    truncates (`SamplerSupportCapture`, bounded by `top_k`: ``log q_S``, what vLLM's processed log-probs give TRL),
+    truncates (`SamplerSupportCapture`, the trainer's record width `2 top_k`: ``log q_S``, what vLLM's processed
+    log-probs give TRL),
     else a top-1 capture of the full softmax.
     Every arm runs one no-grad trainer forward per generation batch for ``mismatch/abs_log_ratio_mean`` (the
     corrections need it for the ratio anyway), so step times stay comparable across arms.
     """
     import torch
 
-    from trl_rpp.replay import support_bound
+    from trl_rpp.replay import record_width, support_bound
     from trl_rpp.sampling import SamplerTopKCapture, capturing_generate
     from trl_rpp.truncation import SamplerSupportCapture
 
@@ -390,7 +391,8 @@ def sampled_trainer(base, generating, correct=None, weight_fn=None, setup=None, 
                 a = self.args
                 settings = dict(top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, **(a.generation_kwargs or {}))
                 bound = support_bound(settings, vllm=False, replay=True)  # top_k when something truncates, else None
-                self._q_capture = SamplerTopKCapture(1, self.temperature) if bound is None else SamplerSupportCapture(bound)
+                self._q_capture = (SamplerTopKCapture(1, self.temperature) if bound is None
+                                   else SamplerSupportCapture(record_width(bound)))  # the trainer's own width
                 with capturing_generate(model, self._q_capture, last=bound is not None):
                     return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
 

@@ -284,3 +284,22 @@ def test_a_closed_head_drops_the_tail_term_whose_gradient_is_zero_anyway():
         grads.append(g)
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-12)
     torch.testing.assert_close(grads[0][0, 0], q[0, 0] - torch.softmax(z.detach(), -1)[0, 0] * q.sum(), rtol=0, atol=1e-12)
+
+
+def test_full_engine_records_become_mask_holes():
+    """A position whose record is full (no absent slot, narrower than the vocabulary) may hide tied kept ids: it
+    becomes a mask hole. Others, tool tokens and padding past a completion are left as they are."""
+    from trl_rpp.replay import mask_full_records
+    from trl_rpp.truncation import ABSENT
+
+    A = ABSENT
+    support = torch.tensor([[[1, 2], [3, A], [4, 5]], [[6, 7], [8, 9], [1, 2]]])
+    completion_ids = [[1, 3, 4], [6, 8]]  # row 1 has 2 tokens: its position 2 is padding
+    assert mask_full_records(completion_ids, None, support, vocab_size=10) == ([[0, 1, 0], [0, 0]], 4)
+    # a tool token (0) that is full is not counted again
+    assert mask_full_records(completion_ids, [[1, 1, 0], [1, 1]], support, 10) == ([[0, 1, 0], [0, 0]], 3)
+    # a record as wide as the vocabulary holds every id: nothing hidden
+    assert mask_full_records(completion_ids, None, support, vocab_size=2) == (None, 0)
+    none_full = torch.tensor([[[1, A]], [[2, A]]])
+    mask = [[1], [1]]
+    assert mask_full_records([[1], [2]], mask, none_full, 10) == (mask, 0)

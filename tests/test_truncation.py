@@ -179,19 +179,33 @@ def test_the_capture_holds_what_generate_kept(tiny_model, settings):
             assert 1 <= len(kept) < probs.size(-1)  # each setting truncated something here
 
 
-def test_a_kept_set_larger_than_the_bound_is_refused_naming_it(tiny_model):
+def test_a_kept_set_larger_than_the_record_is_cut_to_it_and_sampled_from_it(tiny_model):
+    """top_k=10 keeps 10 ids, a 3-wide record holds 3: the capture, last after the warpers, leaves only the recorded
+    ids finite, so every token is drawn from the recorded set and its log q_S is renormalized over those 3 (the
+    replay's set), and the positions that overflowed are counted."""
     from transformers import AutoModelForCausalLM
 
     from trl_rpp.sampling import capturing_generate
-    from trl_rpp.truncation import SamplerSupportCapture
+    from trl_rpp.truncation import SamplerSupportCapture, support_of
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    prompt = torch.tensor([[3, 4]] * 8)
+    torch.manual_seed(0)
     capture = SamplerSupportCapture(bound=3)
     with capturing_generate(model, capture, last=True):
-        model.generate(input_ids=torch.tensor([[3, 4]]), max_new_tokens=2, do_sample=True, top_k=10, pad_token_id=0)
-    with pytest.raises(ValueError, match=r"^the sampler kept 10 tokens at one step, more than the 3 the record holds; "
-                                         r"lower top_k"):
-        capture.tensors(2)
+        out = model.generate(input_ids=prompt, max_new_tokens=2, do_sample=True, top_k=10, pad_token_id=0,
+                             eos_token_id=None)
+    new = out[:, 2:]
+    ids, logps, sampled = capture.tensors(2)
+    support = support_of(ids, logps)
+    assert int(capture.overflowed) == 8 * 2
+    assert bool(token_in_support(new, support, torch.ones_like(new, dtype=torch.bool)).all())
+    with torch.no_grad():
+        logits = model(out).logits[:, 1:-1].double()
+    top3 = logits.topk(3, dim=-1).indices
+    assert torch.equal(support.sort(-1).values, top3.sort(-1).values)  # the 3 most probable of the 10 kept
+    want = truncated_logps(logits, new, support, torch.ones_like(new, dtype=torch.bool), 1.0)
+    torch.testing.assert_close(sampled.double(), want, rtol=0, atol=1e-5)
 
 
 def test_ties_at_the_kth_score_fit_in_the_record(tiny_model):
@@ -214,15 +228,72 @@ def test_ties_at_the_kth_score_fit_in_the_record(tiny_model):
         torch.manual_seed(0)
         capture = SamplerSupportCapture(bound=bound)
         with capturing_generate(model, capture, last=True):
-            out = model.generate(input_ids=torch.tensor([[3, 4]]), max_new_tokens=3, do_sample=True, top_k=2,
+            out = model.generate(input_ids=torch.tensor([[3, 4]] * 16), max_new_tokens=3, do_sample=True, top_k=2,
                                  pad_token_id=0, eos_token_id=None, logits_processor=LogitsProcessorList([Tied()]))
-        if not fits:
-            with pytest.raises(ValueError, match=r"^the sampler kept 3 tokens at one step, more than the 2"):
-                capture.tensors(3)
-            continue
         ids, logps, sampled = capture.tensors(3)
         kept = support_of(ids, logps)
-        assert [sorted(v for v in row if v != ABSENT) for row in kept[0].tolist()] == [[5, 6, 7]] * 3
-        assert set(out[0, 2:].tolist()) <= {5, 6, 7}
-        torch.testing.assert_close(sampled[0].double(), torch.full((3,), math.log(1 / 3), dtype=torch.float64),
-                                   rtol=0, atol=1e-6)
+        sets = {tuple(sorted(v for v in row if v != ABSENT)) for row in kept.flatten(0, 1).tolist()}
+        drawn = set(out[:, 2:].flatten().tolist())
+        assert int(capture.overflowed) == (0 if fits else 16 * 3)
+        if fits:  # the whole tie, each at log q_S = log(1/3)
+            assert sets == {(5, 6, 7)} and drawn == {5, 6, 7}
+            torch.testing.assert_close(sampled.double(), torch.full((16, 3), math.log(1 / 3), dtype=torch.float64),
+                                       rtol=0, atol=1e-6)
+        else:  # cut to the 2 recorded ids, drawn from them alone at log(1/2)
+            (pair,) = sets
+            assert len(pair) == 2 and set(pair) < {5, 6, 7} and drawn == set(pair)
+            torch.testing.assert_close(sampled.double(), torch.full((16, 3), math.log(1 / 2), dtype=torch.float64),
+                                       rtol=0, atol=1e-6)
+
+
+def test_the_capture_runs_inside_a_peft_model(tiny_model):
+    """`PeftModel.generate` generates with its base model, which builds its logits processors itself: the capture is
+    wrapped there, records every step, and both objects are left as they were."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trl_rpp.sampling import capturing_generate
+    from trl_rpp.truncation import SamplerSupportCapture, support_of
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    capture = SamplerSupportCapture(bound=8)
+    torch.manual_seed(0)
+    with capturing_generate(model, capture, last=True):
+        out = model.generate(input_ids=torch.tensor([[3, 4], [5, 6]]), max_new_tokens=3, do_sample=True, top_k=4,
+                             pad_token_id=0, eos_token_id=None)
+    for obj in (model, model.get_base_model()):
+        assert "_get_logits_processor" not in obj.__dict__ and "generate" not in obj.__dict__
+    ids, logps, sampled = capture.tensors(3)
+    support = support_of(ids, logps)
+    assert ((support != ABSENT).sum(-1) == 4).all()  # top_k=4 kept 4 ids at every step
+    assert bool(token_in_support(out[:, 2:], support, torch.ones(2, 3, dtype=torch.bool)).all())
+    assert bool(torch.isfinite(sampled).all())
+
+
+def test_a_generate_that_bypasses_the_capture_is_named(tiny_model):
+    """A wrapper whose `generate` runs another object's (as PEFT's does) is caught when generation returns: the error
+    names the capture and the wrapper, never a feature that is off."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_rpp.sampling import capturing_generate
+    from trl_rpp.truncation import SamplerSupportCapture
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self._get_logits_processor = inner._get_logits_processor
+
+        def generate(self, **kwargs):
+            return self.inner.generate(**kwargs)
+
+    model = Wrapper(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval())
+    capture = SamplerSupportCapture(bound=8)
+    with pytest.raises(RuntimeError, match=r"^SamplerSupportCapture: Wrapper\.generate returned without building its "
+                                           r"logits processors through Wrapper\._get_logits_processor"):
+        with capturing_generate(model, capture, last=True):
+            model.generate(input_ids=torch.tensor([[3, 4]]), max_new_tokens=2, do_sample=True, top_k=4, pad_token_id=0)
+    with pytest.raises(RuntimeError, match=r"^SamplerSupportCapture \(the kept sets of a truncating sampler, for "
+                                           r"replay\) recorded no generation step"):
+        capture.tensors(2)

@@ -129,6 +129,39 @@ def head_is_whole_support(support_ids, head_width):
     return (support_ids != ABSENT).sum(-1) <= head_width
 
 
+def mask_full_records(completion_ids, tool_mask, support_ids, vocab_size):
+    """Mask holes where an engine's record (vLLM's log-probs, a `rollout_func`'s lists) may not hold the whole kept
+    set: every slot of the position's record holds a kept id, and the record is narrower than the vocabulary. Only
+    ties at `top_k`'s k-th score fill a `2 top_k` record, and the engine may have kept more of them than it reported;
+    `log pi(y | S)` cannot be replayed there, so such a token leaves the loss (``tool_mask = 0``, as a tool output
+    token does) instead of ending the run. transformers' `generate` never needs this: its capture cuts the kept set to
+    the record before sampling (`SamplerSupportCapture`). One host read per generation batch.
+
+    Args:
+        completion_ids: `B` lists of sampled ids (TRL's `_generate` output).
+        tool_mask: `B` lists of 0/1, or None (every token is a model token).
+        support_ids: `[B, T, K]` the kept ids, `ABSENT`-padded, `T >= max(len)`.
+        vocab_size: `V`; a record `K >= V` wide holds every id.
+
+    Returns:
+        `(tool_mask, masked)`: the mask with 0 at such positions (unchanged, None included, when there are none) and
+        their number among the model tokens.
+    """
+    K = support_ids.size(-1)
+    if K >= vocab_size:
+        return tool_mask, 0
+    full = (support_ids != ABSENT).all(-1).cpu()
+    masked = 0
+    rows = []
+    for b, ids in enumerate(completion_ids):
+        row = [1] * len(ids) if tool_mask is None else list(tool_mask[b])
+        for t in torch.nonzero(full[b, : len(ids)]).flatten().tolist():
+            masked += row[t]
+            row[t] = 0
+        rows.append(row)
+    return (rows if masked else tool_mask), masked
+
+
 def check_tokens_in_support(completion_ids, tool_mask, support_ids):
     """Raise `RuntimeError` when a sampled model token is not in its recorded kept set: the record would then not
     describe the sampler (a misaligned capture, or a server that returns raw log-probs). One host read per

@@ -133,6 +133,8 @@ class SamplerTopKCapture(LogitsProcessor):
     """Records ``[B, k]`` top-k ids and log-probs of ``log_softmax(scores / temperature)`` at every step, and the
     log-prob of the token each step sampled. Returns the scores unchanged."""
 
+    what = "score centering's top-k record of the sampler"
+
     def __init__(self, k: int, temperature: float):
         self.k, self.temperature = k, temperature
         self.ids, self.logps, self.sampled = [], [], []
@@ -157,9 +159,19 @@ class SamplerTopKCapture(LogitsProcessor):
         """``(ids [B, length, k], logps [B, length, k], sampled_logps [B, length])``, cut or padded to ``length``
         positions; padded entries have id 0 and log-prob ``-inf`` (absent)."""
         if not self.ids:
-            raise RuntimeError("score centering: the sampler capture recorded no generation step")
+            raise RuntimeError(f"{type(self).__name__} ({self.what}) recorded no generation step: transformers' "
+                               "generate never ran it as a logits processor")
         recorded = RecordedTopK(torch.stack(self.ids, 1), torch.stack(self.logps, 1), torch.stack(self.sampled, 1))
         return recorded.tensors(length)
+
+
+def generation_model(model):
+    """The object whose `GenerationMixin.generate` runs when ``model.generate`` is called: the model itself, or the
+    transformers model inside a PEFT wrapper (`PeftModel.generate` calls its base model's `generate`, which builds
+    the logits processors on that model, not on the wrapper)."""
+    from peft import PeftModel
+
+    return model.get_base_model() if isinstance(model, PeftModel) else model
 
 
 @contextmanager
@@ -167,12 +179,15 @@ def generate_with_processor(model, processor: LogitsProcessor, first: bool = Fal
     """Within the block, ``model.generate`` also runs `processor`, last among the custom logits processors (or first
     with ``first=True``), and calls ``after(sequences)`` once generation returns. With ``last=True`` it runs after
     every processor and warper `generate` builds (temperature, top-k, top-p, ...), which transformers applies after
-    the custom ones: its private ``_get_logits_processor`` is wrapped for the call (where it is missing, this raises,
-    naming the transformers version).
+    the custom ones: the private ``_get_logits_processor`` of the model that generates (`generation_model`: inside a
+    PEFT wrapper, the transformers model) is wrapped for the call. Where it is missing, or a ``generate`` returns
+    without having built its processors through it, this raises, naming the versions: the capture never goes missing
+    silently.
 
     Nests: a ``generate`` already wrapped on the instance (by an outer block) is called through and restored on exit.
     """
-    if last and not callable(getattr(model, "_get_logits_processor", None)):
+    inner = generation_model(model)
+    if last and not callable(getattr(inner, "_get_logits_processor", None)):
         import transformers
 
         raise RuntimeError(f"transformers {transformers.__version__} has no GenerationMixin._get_logits_processor: "
@@ -180,8 +195,18 @@ def generate_with_processor(model, processor: LogitsProcessor, first: bool = Fal
 
     def generate(*args, **kwargs):
         if last:
-            with _shadowed(model, "_get_logits_processor", _appending(model._get_logits_processor, processor)):
+            built = []
+            with _shadowed(inner, "_get_logits_processor", _appending(inner._get_logits_processor, processor, built)):
                 out = original(*args, **kwargs)
+            if not built:
+                import peft
+                import transformers
+
+                raise RuntimeError(
+                    f"{type(processor).__name__}: {type(model).__name__}.generate returned without building its logits "
+                    f"processors through {type(inner).__name__}._get_logits_processor, so nothing was captured "
+                    f"(transformers {transformers.__version__}, peft {peft.__version__})"
+                )
         else:
             given = list(kwargs.pop("logits_processor", None) or [])
             processors = LogitsProcessorList([processor, *given] if first else [*given, processor])
@@ -195,10 +220,11 @@ def generate_with_processor(model, processor: LogitsProcessor, first: bool = Fal
         yield processor
 
 
-def _appending(build, processor):
+def _appending(build, processor, built):
     def build_and_append(*args, **kwargs):
         processors = build(*args, **kwargs)
         processors.append(processor)
+        built.append(True)
         return processors
 
     return build_and_append

