@@ -129,6 +129,36 @@ def head_is_whole_support(support_ids, head_width):
     return (support_ids != ABSENT).sum(-1) <= head_width
 
 
+def kept_sets_of_generation(generated, capture, captures, engine, vocab_size, device):
+    """The kept sets of a generation batch, from its sampler record, for the replay.
+
+    Args:
+        generated: GRPO's `_generate` output (its 8-tuple: completion ids at 1, the tool mask at 2).
+        capture: the batch's record (`SamplerSupportCapture`, or a `RecordedTopK` of vLLM or a rollout_func).
+        captures: the `SamplerSupportCapture` of each transformers `generate` call (none for an engine's record).
+        engine: the record came from an engine (vLLM, a rollout_func), which may hide tied kept ids.
+        vocab_size: `V`.
+        device: where the kept sets go.
+
+    Returns:
+        `(generated, support_ids [B, T, K], overflow)`: `generated` with the tool mask of `mask_full_records` for an
+        engine's record, the kept ids (`ABSENT`-padded), and the number of positions whose kept set did not fit the
+        record (cut to it before sampling, or masked). Raises when a sampled token is outside its kept set.
+    """
+    from .truncation import support_of
+
+    completion_ids, tool_mask = generated[1], generated[2]
+    ids, logps, _ = capture.tensors(max((len(c) for c in completion_ids), default=0))
+    support = support_of(ids, logps).to(device)
+    if engine:
+        tool_mask, overflow = mask_full_records(completion_ids, tool_mask, support, vocab_size)
+        generated = (*generated[:2], tool_mask, *generated[3:])
+    else:  # one host read per `generate` call, for the metric
+        overflow = sum(int(c.overflowed) for c in captures if getattr(c, "overflowed", None) is not None)
+    check_tokens_in_support(completion_ids, tool_mask, support)
+    return generated, support, overflow
+
+
 def mask_full_records(completion_ids, tool_mask, support_ids, vocab_size):
     """Mask holes where an engine's record (vLLM's log-probs, a `rollout_func`'s lists) may not hold the whole kept
     set: every slot of the position's record holds a kept id, and the record is narrower than the vocabulary. Only

@@ -63,15 +63,15 @@ from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .preemption import Preemption
 from .rollouts import install_rollout_checks
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_funcs
-from .replay import check_tokens_in_support, completion_logits, full_entropies, head_is_whole_support
-from .replay import mask_full_records, record_width, replayed_logps, support_bound
+from .replay import completion_logits, full_entropies, head_is_whole_support, kept_sets_of_generation
+from .replay import record_width, replayed_logps, support_bound
 from .sampling import SamplerTopKCapture, capturing_generate
 from .score_centering import importance_weight_fn, sampled_and_head_logps, score_centered_ppo_loss
 from .score_centering import score_centering_metric_sums
 from .trainer_utils import FORWARD_KEYS, PolicyForward, borrowed_beta, check_score_centering_support
 from .trainer_utils import empty_batch_message, generate_vllm_with_topk, masked_max, reduce_across_processes
 from .trainer_utils import sampler_topk_of_generation, token_mask
-from .truncation import ABSENT, SamplerSupportCapture, support_logps, support_of
+from .truncation import ABSENT, SamplerSupportCapture, support_logps
 from .vllm_engine import use_cpu_weight_sync, vllm_engine_args
 
 
@@ -285,18 +285,15 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         generated = super()._generate(prompts)
         if self.use_vllm:
             self._rpp_engine_faults.settle(self)  # a failed engine raises here, on every process
+        captures = self._rpp_captures  # transformers' captures count the kept sets they cut to the record
         if self._rpp_width:  # each model token's record (tool loop or rollout_func: `trl_rpp.multi_turn`)
             generated, self._rpp_capture = sampler_topk_of_generation(self, generated, self._rpp_width)
         if self._rpp_bound:  # the kept sets, read by GRPO's old and reference forwards that follow
-            completion_ids, tool_mask = generated[1], generated[2]
-            ids, logps, _ = self._rpp_capture.tensors(max((len(c) for c in completion_ids), default=0))
-            self._rpp_support = support_of(ids, logps).to(self.accelerator.device)
-            if self.use_vllm or self.rollout_func is not None:  # an engine's record may miss tied kept ids
-                tool_mask, masked = mask_full_records(completion_ids, tool_mask, self._rpp_support, self._rpp_vocab)
-                generated = (*generated[:2], tool_mask, *generated[3:])
-                masked = self.accelerator.gather(torch.tensor([masked], device=self.accelerator.device)).sum().item()
-                self._metrics["train" if self.model.training else "eval"]["sampling/masked_ties"].append(masked)
-            check_tokens_in_support(completion_ids, tool_mask, self._rpp_support)
+            engine = self.use_vllm or self.rollout_func is not None
+            generated, self._rpp_support, overflow = kept_sets_of_generation(
+                generated, self._rpp_capture, captures, engine, self._rpp_vocab, self.accelerator.device)
+            overflow = self.accelerator.gather(torch.tensor([overflow], device=self.accelerator.device)).sum().item()
+            self._metrics["train" if self.model.training else "eval"]["sampling/tie_overflow"].append(overflow)
         return generated
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,

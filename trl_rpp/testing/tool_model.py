@@ -195,14 +195,15 @@ def warmup_sequences(tokenizer, direct_answers: bool = False):
 
 def build_tool_model(
     path: str | os.PathLike, seed: int = 0, max_steps: int = 700, target_loss: float = 3e-3, threads: int | None = 1,
-    direct_answers: bool = False,
+    direct_answers: bool = False, num_attention_heads: int = 4,
 ) -> str:
     """Build, warm up and save the tiny tool-calling model and its tokenizer under `path`. Returns `str(path)`.
 
     The warm-up stops at ``max_steps`` or once the mean token loss is below ``target_loss`` (checked every 25 steps;
     about 400 steps). It runs with ``threads`` torch threads (restored afterwards). Reuses an existing save.
     ``direct_answers``: see `warmup_sequences` (the first answer token is then a coin flip, so the loss floor is
-    higher: ``target_loss`` should be raised accordingly).
+    higher: ``target_loss`` should be raised accordingly). ``num_attention_heads``: of the hidden size 64 (2 heads of 32
+    for vLLM's CPU attention, which takes head sizes from 32).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -211,8 +212,8 @@ def build_tool_model(
         return path
     tokenizer = tool_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_attention_heads, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=False,
     )
     sequences = warmup_sequences(tokenizer, direct_answers)
