@@ -303,3 +303,30 @@ def test_full_engine_records_become_mask_holes():
     none_full = torch.tensor([[[1, A]], [[2, A]]])
     mask = [[1], [1]]
     assert mask_full_records([[1], [2]], mask, none_full, 10) == (mask, 0)
+
+
+def test_a_tie_wider_than_the_record_is_trained_on_exactly(tmp_path, tiny_model):
+    """Every head row the same: every token ties at every position, so `top_k=2` keeps the whole vocabulary, far
+    more than the 4-id record. The run trains; each position's set is cut to the 4 recorded ids before sampling, so
+    the sampler's and the trainer's log-probs are both log(1/4) and the on-policy ratio is exactly 1; every position
+    of the batch is counted in `sampling/tie_overflow`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head.copy_(head[:1].expand_as(head))
+    path = tmp_path / "tied"
+    model.save_pretrained(path)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(path)
+    trainer, batch, support, sampled = on_policy_run(tmp_path, str(path), dict(top_k=2), replay=True)
+    mask = batch["completion_mask"].bool()
+    assert ((batch["sampler_support_ids"] != ABSENT).sum(-1)[mask] == 4).all()
+    quarter = torch.full_like(sampled[mask].double(), math.log(1 / 4))
+    torch.testing.assert_close(batch["sampler_per_token_logps"][mask].double(), quarter, rtol=0, atol=1e-6)
+    torch.testing.assert_close(batch["old_per_token_logps"][mask].double(), quarter, rtol=0, atol=1e-6)
+    overflow = [row["sampling/tie_overflow"] for row in trainer.state.log_history if "sampling/tie_overflow" in row]
+    B, T = batch["completion_ids"].shape
+    assert overflow and B * int(mask.sum(1).max()) <= overflow[0] <= B * T
