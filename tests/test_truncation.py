@@ -297,3 +297,43 @@ def test_a_generate_that_bypasses_the_capture_is_named(tiny_model):
     with pytest.raises(RuntimeError, match=r"^SamplerSupportCapture \(the kept sets of a truncating sampler, for "
                                            r"replay\) recorded no generation step"):
         capture.tensors(2)
+
+
+def test_a_models_own_sampling_defaults_are_named_when_the_sampler_does_not_use_them(tmp_path, tiny_model):
+    """transformers 5 applies none of a model's sampling defaults once TRL passes its generation config (checked
+    here through the processors `generate` builds), and the trainer says so, naming each one."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from trl_rpp.sampling import overridden_model_sampling
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    model.generation_config.update(do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
+    built = []
+    original = model._get_logits_processor
+    model._get_logits_processor = lambda *a, **k: built.append(original(*a, **k)) or built[-1]
+    trl_like = GenerationConfig(max_new_tokens=1, do_sample=True, pad_token_id=0, temperature=1.0, top_p=1.0, top_k=0,
+                                min_p=None, repetition_penalty=1.0)
+    model.generate(torch.tensor([[3, 4]]), generation_config=trl_like)
+    assert len(built[0]) == 0  # no temperature, top-k or top-p warper: the model's defaults are not applied
+    used = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)
+    assert overridden_model_sampling(model.generation_config.to_dict(), used) == {
+        "temperature": (0.6, 1.0), "top_k": (20, 0), "top_p": (0.95, 1.0)}
+    assert overridden_model_sampling(model.generation_config.to_dict(), dict(used, temperature=0.6, top_k=20,
+                                                                             top_p=0.95)) == {}
+    assert overridden_model_sampling(GenerationConfig().to_dict(), used) == {}
+
+    from trl_rpp import RPPConfig, RPPTrainer
+    from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
+
+    path = tmp_path / "qwen3_like"
+    model.save_pretrained(path)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(path)
+    args = RPPConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", max_steps=1, num_generations=4,
+                     per_device_train_batch_size=4)
+    with pytest.warns(UserWarning, match=r"^The model's generation config sets temperature=0\.6, top_k=20, "
+                                         r"top_p=0\.95; the sampler uses RPPConfig's temperature=1\.0, top_k=0, "
+                                         r"top_p=1\.0 instead"):
+        RPPTrainer(model=str(path), reward_funcs=copy_first_char_reward, args=args,
+                   train_dataset=copy_task_dataset(8))

@@ -129,6 +129,47 @@ def check_exact_sampling(settings: dict, temperature: float, where: str, neutral
         )
 
 
+# The sampling fields a model's own generation config may set, and the values that leave q as it is.
+MODEL_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": (None, 0), "top_p": 1.0, "min_p": (None, 0.0),
+                           "repetition_penalty": 1.0}
+
+
+def overridden_model_sampling(model_generation: dict, used: dict) -> dict:
+    """The sampling settings of a model's own generation config that the trainer's sampler does not use: TRL passes
+    its own `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty` to `generate` and to vLLM, which then
+    override the model's (transformers 5 applies none of the model's values once a generation config is passed).
+
+    Args:
+        model_generation: the model's `generation_config.to_dict()`.
+        used: the settings the trainer samples with (TRL's `generation_kwargs`, or the config's fields for vLLM).
+
+    Returns:
+        ``{name: (model's value, used value)}`` for each field the model sets to a value that changes sampling and
+        that differs from the one used.
+    """
+    out = {}
+    for name, neutral in MODEL_SAMPLING_DEFAULTS.items():
+        value = model_generation.get(name)
+        neutral = neutral if isinstance(neutral, tuple) else (None, neutral)
+        if value not in neutral and value != used.get(name):
+            out[name] = (value, used.get(name))
+    return out
+
+
+def warn_overridden_model_sampling(model_generation: dict, used: dict) -> None:
+    """A `UserWarning` naming each setting of `overridden_model_sampling`, so that a model's sampling defaults (Qwen3's
+    `temperature=0.6, top_k=20, top_p=0.95`, say) are never dropped without a word."""
+    ignored = overridden_model_sampling(model_generation, used)
+    if ignored:
+        import warnings
+
+        given = ", ".join(f"{name}={model!r}" for name, (model, _) in ignored.items())
+        taken = ", ".join(f"{name}={value!r}" for name, (_, value) in ignored.items())
+        warnings.warn(f"The model's generation config sets {given}; the sampler uses RPPConfig's {taken} instead, as "
+                      "GRPOTrainer does. Set them in RPPConfig to sample with the model's defaults.", UserWarning,
+                      stacklevel=3)
+
+
 class SamplerTopKCapture(LogitsProcessor):
     """Records ``[B, k]`` top-k ids and log-probs of ``log_softmax(scores / temperature)`` at every step, and the
     log-prob of the token each step sampled. Returns the scores unchanged."""

@@ -65,7 +65,7 @@ from .rollouts import install_rollout_checks
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_funcs
 from .replay import completion_logits, full_entropies, head_is_whole_support, kept_sets_of_generation
 from .replay import record_width, replayed_logps, support_bound
-from .sampling import SamplerTopKCapture, capturing_generate
+from .sampling import SamplerTopKCapture, capturing_generate, warn_overridden_model_sampling
 from .score_centering import importance_weight_fn, sampled_and_head_logps, score_centered_ppo_loss
 from .score_centering import score_centering_metric_sums
 from .trainer_utils import FORWARD_KEYS, PolicyForward, borrowed_beta, check_score_centering_support
@@ -172,6 +172,9 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         with borrowed_beta(args, self._rpp_needs_ref), vllm_engine_args(vllm_logprobs, args.vllm_dtype):
             super().__init__(model, reward_funcs, args, **kwargs)
         self.beta = 0.0
+        warn_overridden_model_sampling(self.accelerator.unwrap_model(self.model).generation_config.to_dict(),
+                                       {"temperature": args.temperature, "repetition_penalty": args.repetition_penalty,
+                                        **sampler})
         if not args.use_vllm:  # transformers' generate: what it will use, the model's generation config included
             merged = {**self.accelerator.unwrap_model(self.model).generation_config.to_dict(), **self.generation_kwargs}
             bound = support_bound(merged, False, args.replay_sampler_support, where="the model's generation config: ")
