@@ -304,6 +304,29 @@ def run_cell(cell: dict, outdir: str, paths: dict) -> dict:
     }
 
 
+def run_vllm_tie(outdir: str, paths: dict) -> dict:
+    """One step on a colocated engine whose model ties every token (all head rows equal): at `top_k=2` the engine
+    keeps the whole vocabulary, so every record of `2 * top_k = 4` ids is full. The run trains; every model token
+    leaves the loss (`sampling/tie_overflow` counts them)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = os.path.join(outdir, "tied")
+    model = AutoModelForCausalLM.from_pretrained(paths["none"], dtype=torch.float32)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head.copy_(head[:1].expand_as(head))
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(paths["none"]).save_pretrained(path)
+    cell = dict(CELLS[0], sampler="top_k", generation="vllm", vllm_importance_sampling_mode="token_truncate")
+    args = config_of(cell, os.path.join(outdir, "run"))
+    args.top_k, args.max_steps = 2, 1
+    trainer = trainer_of(cell, args, {"none": path})
+    trainer.train()
+    row = next(r for r in trainer.state.log_history if "loss" in r)
+    return {"steps": trainer.state.global_step, "row": {k: v for k, v in row.items() if isinstance(v, (int, float))}}
+
+
 def expected_keys(cell: dict) -> set:
     """The metrics docs/rpp_trainer.md ("Logged metrics") lists for a cell's settings."""
     keys = {"advantages/raw_mean", "advantages/raw_std", "advantages/mean", "advantages/std",
@@ -381,7 +404,7 @@ def main(argv):
         print(table())
         return
     outdir, root, which = argv[0], argv[1], [int(i) for i in argv[2].split(",")]
-    if any(CELLS[i]["generation"] == "vllm" for i in which):
+    if "ties" in argv[3:] or any(CELLS[i]["generation"] == "vllm" for i in which):
         share_engines()
     rank = int(os.environ.get("RANK", "0"))
     paths = model_paths(root) if rank == 0 else None
@@ -392,6 +415,9 @@ def main(argv):
         PartialState()  # the process group, before the first trainer (rank 0 built the models first)
         dist.barrier()
         paths = model_paths(root)
+    if "ties" in argv[3:]:  # `python tests/matrix.py OUTDIR ROOT i,j,... ties`
+        with open(os.path.join(outdir, "ties.json"), "w") as f:
+            json.dump(run_vllm_tie(outdir, paths), f)
     for i in which:
         result = run_cell(CELLS[i], os.path.join(outdir, cell_id(i)), paths)
         with open(os.path.join(outdir, f"{cell_id(i)}_rank{rank}.json"), "w") as f:

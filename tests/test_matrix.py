@@ -126,7 +126,7 @@ def load(outdir, i, rank=0):
 def vllm_cells(tmp_path_factory, matrix_models):
     outdir = tmp_path_factory.mktemp("matrix_vllm")
     which = ",".join(map(str, indices("vllm")))
-    proc = subprocess.run([sys.executable, SCRIPT, str(outdir), matrix_models, which], env=dict(os.environ, **ENV),
+    proc = subprocess.run([sys.executable, SCRIPT, str(outdir), matrix_models, which, "ties"], env=dict(os.environ, **ENV),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-5000:]
     return str(outdir)
@@ -136,6 +136,19 @@ def vllm_cells(tmp_path_factory, matrix_models):
 @pytest.mark.parametrize("i", indices("vllm"), ids=matrix.cell_id)
 def test_vllm_cell(vllm_cells, i):
     check_trains(matrix.CELLS[i], load(vllm_cells, i))
+
+
+@pytest.mark.slow
+def test_a_vllm_tie_wider_than_the_record_leaves_the_loss_and_the_run_trains(vllm_cells):
+    import json
+
+    with open(os.path.join(vllm_cells, "ties.json")) as f:
+        result = json.load(f)
+    row = result["row"]
+    assert result["steps"] == 1
+    tokens = row["completions/mean_length"] * 4  # 4 completions, every token a model token
+    assert row["sampling/tie_overflow"] == tokens > 0
+    assert row["advantages/valid_tokens"] == 0 and row["advantages/empty_batch"] == 1
 
 
 @pytest.fixture(scope="module")
