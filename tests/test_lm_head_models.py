@@ -6,6 +6,8 @@ Tiny models built locally, one per way a head is read: tied embeddings, a head w
 `logit_scale`, Gemma 2's `final_logit_softcapping`, Granite's `logits_scaling`, LoRA (the head not targeted; targeted,
 it is refused), gradient checkpointing. Heads that cannot be read so are refused, naming the model type."""
 
+import math
+
 import pytest
 import torch
 
@@ -149,3 +151,106 @@ def test_the_trainer_refuses_such_a_head_at_construction(tmp_path, tiny_model):
         with pytest.raises(ValueError, match=r"^model type 'llama' is not supported"):
             RPPTrainer(model=model, reward_funcs=[length_reward, length_reward], args=args,
                        train_dataset=copy_task_dataset(8))
+
+
+# --- no forward of the trainer holds a [B, T, V] tensor -------------------------------------------------------------
+
+
+class VocabWide:
+    """Records the shape of every tensor an op allocates (a `TorchDispatchMode`) that has a dimension of the
+    vocabulary's size `V`, other than the head's and embedding's own `[V, H]` (or its transpose) and `[V]`: parameters, their gradients."""
+
+    def __init__(self, vocab, hidden):
+        self.vocab, self.parameter_shapes, self.shapes, self.parameter_seen = vocab, {(vocab, hidden), (hidden, vocab), (vocab,)}, [], 0
+
+    def __call__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        record = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and record.vocab in t.shape:
+                        if tuple(t.shape) in record.parameter_shapes:
+                            record.parameter_seen += 1
+                        else:
+                            record.shapes.append(tuple(t.shape))
+                return out
+
+        return Mode()
+
+    def largest_rows(self):
+        return max((math.prod(s) // self.vocab for s in self.shapes), default=0)
+
+
+def recording_trainer(record, replay):
+    from trl_rpp import RPPTrainer
+
+    class Recording(RPPTrainer):
+        """Records what the loss forward and its backward allocate, and, with replay, GRPO's old and reference
+        forwards (without replay they are GRPO's own fused head, not this path)."""
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            backward = self.accelerator.backward
+
+            def recorded_backward(loss, **kw):
+                with record():
+                    return backward(loss, **kw)
+
+            self.accelerator.backward = recorded_backward
+
+        def compute_loss(self, *a, **kw):
+            with record():
+                return super().compute_loss(*a, **kw)
+
+        def _get_per_token_logps_and_entropies(self, *a, **kw):
+            if not replay:
+                return super()._get_per_token_logps_and_entropies(*a, **kw)
+            self.old_or_ref_forwards = getattr(self, "old_or_ref_forwards", 0) + 1
+            with record():
+                return super()._get_per_token_logps_and_entropies(*a, **kw)
+
+    return Recording
+
+
+@pytest.mark.parametrize("replay,score_centering", [(True, False), (False, True), (True, True)])
+def test_no_forward_of_the_trainer_holds_a_vocabulary_wide_batch_tensor(tmp_path, tiny_model, monkeypatch, replay,
+                                                                        score_centering):
+    """One step (two micro-batches of 4 completions of 6 tokens; pi_old and the reference computed at generation)
+    with replay (`top_k=5`), score centering, or both. With replay no tensor of the forwards (old policy, reference,
+    loss and its backward) has a vocabulary-wide dimension at all; score centering's full softmax holds at most one
+    tile of 3 positions' logits (`TILE_ELEMENTS` set so), where the batch has up to 24. The recorder sees the plain
+    forward's `[B, S, V]` logits, and the head's `[V, H]` gradient in the backward."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer_helpers import length_reward, make_args
+    from trl_rpp import lm_head
+    from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    record = VocabWide(vocab, hidden)
+    with record():  # the recorder's teeth: the plain forward's logits
+        model(input_ids=torch.ones(2, 5, dtype=torch.long)).logits.sum()
+    assert (2, 5, vocab) in record.shapes and record.largest_rows() == 10
+    record.shapes.clear()
+
+    tile = 3
+    monkeypatch.setattr(lm_head, "TILE_ELEMENTS", tile * vocab)
+    args = make_args(tmp_path, "reinforce_plus_plus", max_steps=1, max_completion_length=6, num_iterations=2,
+                     kl_coef=0.05, top_k=5 if replay else 0,
+                     score_centering=score_centering,
+                     score_centering_top_k=(5 if replay else 8) if score_centering else 32)
+    trainer = recording_trainer(record, replay)(model=model, reward_funcs=[copy_first_char_reward, length_reward],
+                                                args=args, train_dataset=copy_task_dataset(16))
+    trainer.train()
+    assert record.parameter_seen > 0  # the backward was recorded
+    if replay:
+        assert trainer.old_or_ref_forwards >= 2
+        assert record.shapes == []
+    else:
+        assert record.shapes and record.largest_rows() == tile, sorted(set(record.shapes))
