@@ -20,7 +20,8 @@ returns it with `logprobs = 2 top_k` and `logprobs_mode="processed_logprobs"` (t
 one a server must run): the kept ids carry finite log-probs, the others `-inf`. The bound: `top_k` must be set (1 to
 `MAX_SUPPORT`) whenever something truncates, as vLLM bounds its own log-probs; the record holds `2 top_k` ids per
 position (`record_width`), room for the ties `top_k` keeps at its k-th score, and a larger kept set raises. Memory is
-`O(B * T * top_k)` ids and log-probs.
+`O(B * T * top_k)` ids and log-probs: the forwards read only the kept ids' head rows (`trl_rpp.lm_head`), through
+the model's forward patched by `install_head_reader`, never the `[B, T, V]` logits.
 """
 
 from __future__ import annotations
