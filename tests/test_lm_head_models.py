@@ -254,3 +254,15 @@ def test_no_forward_of_the_trainer_holds_a_vocabulary_wide_batch_tensor(tmp_path
         assert record.shapes == []
     else:
         assert record.shapes and record.largest_rows() == tile, sorted(set(record.shapes))
+
+
+def test_the_trl_helpers_the_tiled_head_calls_keep_their_signatures():
+    """`trl_rpp.lm_head` and `install_head_reader` call these TRL helpers (ZeRO-3's gather of the head, the entropy
+    GRPO logs); a TRL that changes them fails here, naming its version."""
+    import inspect
+
+    import trl
+    from trl.trainer import utils
+
+    for fn, params in ((utils.maybe_gather_lm_head_ctx, ["params"]), (utils.entropy_from_logits, ["logits", "chunk_size"])):
+        assert list(inspect.signature(fn).parameters) == params, f"TRL {trl.__version__} changed {fn.__name__}"
