@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import math
 import os
 import sys
 
@@ -280,8 +279,6 @@ def trainer_of(cell: dict, args, paths: dict):
 def run_cell(cell: dict, outdir: str, paths: dict) -> dict:
     """Build and train a cell; what the tests check, as plain data. ``outcome`` is "refused" (with ``stage``,
     "config" or "trainer", and the message) when construction raised a ValueError, else "trains"."""
-    import torch
-
     try:
         args = config_of(cell, outdir)
     except ValueError as err:

@@ -165,6 +165,17 @@ def _rows(path):
     return [json.loads(line) for line in path.read_text().splitlines() if '"reward"' in line]
 
 
+def test_lm_head_memory_benchmark_runs_small(tmp_path):
+    """Every arm in its own process at a toy size: one table row with a peak and a time per arm, and the JSON."""
+    out = run(["benchmarks/lm_head_memory.py", "--vocabs", "256", "--positions", "32", "--hidden", "16",
+               "--json", str(tmp_path / "r.json")])
+    rows = [line for line in out.splitlines() if line.startswith("| 256 | 32 |")]
+    assert len(rows) == 1 and rows[0].count("MiB") == 4, out
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert sorted(r["arm"] for r in results) == sorted(["fused", "replay", "score_centering", "both"])
+    assert all(r["peak_mib"] >= 0 and r["seconds"] > 0 for r in results), results
+
+
 @pytest.mark.slow
 def test_compare_estimators_drift_study_arms_run_and_correct_as_documented(tmp_path):
     """Study 2 at 2 steps: the run without a bias and the four mismatch arms (full fine-tuning, tiny model)."""

@@ -20,7 +20,8 @@ returns it with `logprobs = 2 top_k` and `logprobs_mode="processed_logprobs"` (t
 one a server must run): the kept ids carry finite log-probs, the others `-inf`. The bound: `top_k` must be set (1 to
 `MAX_SUPPORT`) whenever something truncates, as vLLM bounds its own log-probs; the record holds `2 top_k` ids per
 position (`record_width`), room for the ties `top_k` keeps at its k-th score, and a larger kept set raises. Memory is
-`O(B * T * top_k)` ids and log-probs.
+`O(B * T * top_k)` ids and log-probs: the forwards read only the kept ids' head rows (`trl_rpp.lm_head`), through
+the model's forward patched by `install_head_reader`, never the `[B, T, V]` logits.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from .errors import unsupported
 from .sampling import NEUTRAL_SAMPLING, NEUTRAL_VLLM_SAMPLING
-from .truncation import ABSENT, support_logps
+from .truncation import ABSENT
 
 MAX_SUPPORT = 256  # the largest top_k: the record holds twice as many ids per position (`record_width`)
 # The settings whose effect on q is a truncation to a kept set, which the replay reproduces exactly.
@@ -71,20 +72,21 @@ def support_bound(settings: dict, vllm: bool, replay: bool, where: str = "") -> 
 def replayed_logps(model, input_ids, attention_mask, logits_to_keep, support_ids, temperature, batch_size=None,
                    compute_entropy=False, autocast=None):
     """`log pi(y_t | S_t)` of the completion tokens, what GRPO's `_get_per_token_logps_and_entropies` returns but
-    renormalized over the kept sets. Chunked over rows as GRPO's; each chunk's logits are read at the kept ids only.
+    renormalized over the kept sets. Chunked over rows as GRPO's; each chunk reads the head rows of the kept ids only
+    (`trl_rpp.lm_head.kept_logps`, through `install_head_reader`'s forward).
 
     Args:
-        model: the causal LM (policy or reference).
+        model: the causal LM (policy or reference), its forward patched by `install_head_reader`.
         input_ids, attention_mask: `[B, P + T]` prompt and completion.
         logits_to_keep: `T`, the completion positions.
         support_ids: `[B, T, K]` the kept ids, `ABSENT`-padded (`truncation.support_of`).
         temperature: the sampling temperature.
         batch_size: rows per forward (GRPO's chunking), all at once when None.
-        compute_entropy: also return the full-vocabulary entropies (no gradient), as GRPO logs them.
+        compute_entropy: also return the entropies of `pi(. | S_t)` (no gradient).
         autocast: a context manager factory for the forward (the accelerator's), or None.
 
     Returns:
-        `(logps [B, T], entropies [B, T] or None, None)`; logps are 0 where a position holds no kept id (padding,
+        `(logps [B, T], entropies [B, T] or None, None)`; both are 0 where a position holds no kept id (padding,
         tool tokens).
     """
     if support_ids.shape[:2] != (input_ids.size(0), logits_to_keep):
@@ -95,18 +97,41 @@ def replayed_logps(model, input_ids, attention_mask, logits_to_keep, support_ids
     token_ids = input_ids[:, -logits_to_keep:]
     for start in range(0, input_ids.size(0), batch_size):
         rows = slice(start, start + batch_size)
-        logits = completion_logits(model, input_ids[rows], attention_mask[rows], logits_to_keep, autocast)
-        support = support_ids[rows]
-        logps = support_logps(logits, token_ids[rows].unsqueeze(-1), support, temperature).squeeze(-1)
-        all_logps.append(torch.where((support != ABSENT).any(-1), logps, torch.zeros_like(logps)))
-        if compute_entropy:
-            all_entropies.append(full_entropies(logits, temperature))
+        logps, entropies = head_logps(model, input_ids[rows], attention_mask[rows], token_ids[rows].unsqueeze(-1),
+                                      support_ids[rows], temperature, autocast)
+        all_logps.append(logps.squeeze(-1))
+        all_entropies.append(entropies)
     entropies = torch.cat(all_entropies) if compute_entropy else None
     return torch.cat(all_logps), entropies, None
 
 
+def head_logps(model, input_ids, attention_mask, ids, support_ids, temperature, autocast=None, valid=None):
+    """The log-probs at `ids` `[B, T, n]` of the last `T` tokens' positions, and the entropies `[B, T]`, read from the
+    final hidden states and the head in tiles: over the kept sets `support_ids` `[B, T, K]` (`lm_head.kept_logps`),
+    or, with `support_ids` None, under the full softmax (`lm_head.full_logps`, at the `valid` `[B, T]` positions).
+    No tensor of `[B, T, V]` exists in the forward or the backward."""
+    from contextlib import nullcontext
+
+    from .lm_head import full_logps, kept_logps
+
+    B, T, n = ids.shape
+
+    def read(hidden, weight, bias, transform):  # called inside the model's forward, on `hidden` [B, P + T, H]
+        h = hidden[:, -T - 1 : -1].reshape(B * T, -1)
+        if support_ids is None:
+            out = full_logps(h, weight, bias, ids.reshape(B * T, n), temperature, transform,
+                             None if valid is None else valid.reshape(B * T))
+        else:
+            out = kept_logps(h, weight, bias, ids.reshape(B * T, n), support_ids.reshape(B * T, -1), temperature,
+                             transform)
+        return out[0].view(B, T, n), out[1].view(B, T)
+
+    with (autocast or nullcontext)():
+        return model(input_ids=input_ids, attention_mask=attention_mask, rpp_read_head=read)
+
+
 def completion_logits(model, input_ids, attention_mask, logits_to_keep, autocast=None):
-    """`[B, T, V]` logits predicting the last `logits_to_keep` tokens of `input_ids`."""
+    """`[B, T, V]` logits predicting the last `logits_to_keep` tokens of `input_ids` (the truncation study's)."""
     from contextlib import nullcontext
 
     with (autocast or nullcontext)():
@@ -114,13 +139,66 @@ def completion_logits(model, input_ids, attention_mask, logits_to_keep, autocast
     return logits[:, :-1]
 
 
-@torch.no_grad()
-def full_entropies(logits, temperature):
-    """`[B, T]` entropies of `softmax(logits / temperature)` over the whole vocabulary (what GRPO logs), one
-    response's `[T, V]` at a time, without gradient."""
-    from trl.trainer.utils import entropy_from_logits
+def head_transform(config):
+    """The `lm_head.HeadTransform` a causal LM of `config` applies after its head, read from the same config fields
+    as TRL's fused head: `final_logit_softcapping`; `logit_scale` (Cohere), `output_multiplier`,
+    `lm_head_multiplier` (Falcon-H1) or HyperCLOVA X's `logits_scaling` multiply; Granite's `logits_scaling`
+    divides."""
+    from .lm_head import HeadTransform
 
-    return torch.stack([entropy_from_logits(row.float() / temperature) for row in logits])
+    text = config.get_text_config()
+    scale = next((v for v in (getattr(text, a, None) for a in ("logit_scale", "output_multiplier",
+                                                                "lm_head_multiplier")) if v is not None), None)
+    divisor = getattr(text, "logits_scaling", None) if scale is None else None
+    if divisor is not None and text.model_type == "hyperclovax":
+        scale, divisor = divisor, None
+    return HeadTransform(scale, divisor, getattr(text, "final_logit_softcapping", None))
+
+
+def install_head_reader(model):
+    """Patch `model`'s forward (the base model under PEFT) so that `model(..., rpp_read_head=read)` runs the backbone
+    and returns `read(hidden [B, S, H], weight [V, H], bias [V] or None, transform)` instead of logits; without
+    `rpp_read_head` it is the forward it was. The backbone and head are looked up at each call (FSDP and PEFT replace
+    them), inside the forward, so DDP, FSDP and ZeRO-3 hooks fire as for the logits.
+
+    Raises `ValueError` naming the model type when the head cannot be read this way: no linear `[V, H]` output
+    embedding, no separate backbone, or a PEFT adapter on the head."""
+    import functools
+    import types
+
+    from accelerate.utils import is_peft_model
+
+    base = model.get_base_model() if is_peft_model(model) else model
+    head, kind = base.get_output_embeddings(), base.config.get_text_config().model_type
+    why = None
+    if base.config.get_text_config() is not base.config:
+        why = "a multimodal model"
+    elif not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+        why = f"its output embeddings are a {type(head).__name__}, not a plain linear head"
+    elif getattr(base, "base_model", base) is base:
+        why = "it has no backbone module apart from its head"
+    if why:
+        raise ValueError(f"model type {kind!r} is not supported with a replayed truncating sampler or score centering: "
+                         f"{why}, so its log-probs cannot be read from the final hidden states and the head's rows")
+    transform, forward = head_transform(base.config), base.forward
+
+    @functools.wraps(type(base).forward)  # `generate` validates its model kwargs against this signature
+    def read_forward(self, *args, rpp_read_head=None, **kwargs):
+        if rpp_read_head is None:
+            return forward(*args, **kwargs)
+        for name in ("labels", "logits_to_keep", "num_items_in_batch", "return_dict"):
+            kwargs.pop(name, None)
+        hidden = self.base_model(*args, **{**kwargs, "use_cache": False}).last_hidden_state
+        lm_head = self.get_output_embeddings()
+        weight, bias = lm_head.weight, lm_head.bias
+        if hasattr(weight, "full_tensor"):  # FSDP2: the head is a DTensor, the hidden states a plain tensor
+            weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
+        from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+        with maybe_gather_lm_head_ctx(weight, bias):  # ZeRO-3: the partitioned head, gathered for the read
+            return rpp_read_head(hidden.to(weight.device), weight, bias, transform)
+
+    base.forward = types.MethodType(read_forward, base)
 
 
 def head_is_whole_support(support_ids, head_width):

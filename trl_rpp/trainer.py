@@ -63,15 +63,15 @@ from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .preemption import Preemption
 from .rollouts import install_rollout_checks
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_funcs
-from .replay import completion_logits, full_entropies, head_is_whole_support, kept_sets_of_generation
-from .replay import record_width, replayed_logps, support_bound
+from .replay import head_is_whole_support, head_logps, kept_sets_of_generation, record_width, replayed_logps
+from .replay import support_bound
 from .sampling import SamplerTopKCapture, capturing_generate, warn_overridden_model_sampling
-from .score_centering import importance_weight_fn, sampled_and_head_logps, score_centered_ppo_loss
+from .score_centering import importance_weight_fn, score_centered_ppo_loss
 from .score_centering import score_centering_metric_sums
 from .trainer_utils import FORWARD_KEYS, PolicyForward, borrowed_beta, check_score_centering_support
 from .trainer_utils import empty_batch_message, generate_vllm_with_topk, masked_max, reduce_across_processes
 from .trainer_utils import sampler_topk_of_generation, token_mask
-from .truncation import ABSENT, SamplerSupportCapture, support_logps
+from .truncation import SamplerSupportCapture
 from .vllm_engine import use_cpu_weight_sync, vllm_engine_args
 
 
@@ -110,8 +110,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
        distribution are recorded inside transformers' `generate` (`trl_rpp.sampling`) or requested from vLLM with
        `logprobs=k` (the sampled token's log-prob then selected by id), and the loss becomes
        `score_centered_ppo_loss`: the same clipped surrogate with every valid token's score centered. The loss
-       forward then keeps the completion logits (to read the trainer's log-probs at the sampler's head ids, with no
-       further vocabulary-sized copy: `sampled_and_head_logps`) instead of GRPO's fused log-prob head. Extra
+       forward then reads the trainer's log-probs at the sampler's head ids from the final hidden states and the
+       head, in tiles (`trl_rpp.lm_head`), instead of GRPO's fused log-prob head. Extra
        metrics: `score_centering/*`. Multi-turn: each call of TRL's tool loop (`tools`, `environment_factory`) is
        captured and aligned to the completion's model tokens; a `rollout_func` returns `logprob_token_ids` (k wide).
     8. **Checkpoints.** With `steps_per_generation > 1` or `num_iterations > 1` a checkpoint can fall inside a
@@ -460,7 +460,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
 
     def _policy_forward(self, model, inputs) -> PolicyForward:
         """The loss forward at the sampling temperature: GRPO's fused log-prob head or, with score centering, the
-        completion logits read at the sampled ids and at the sampler's head ids (`sampled_and_head_logps`)."""
+        log-probs at the sampled ids and at the sampler's head ids, read from the head in tiles (`replay.head_logps`):
+        over the kept sets with replay, else under the full softmax."""
         if not self.args.score_centering:
             logps, entropies, aux_loss = self._forward_logps(
                 model, inputs, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
@@ -468,22 +469,11 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             return PolicyForward(logps, entropies, aux_loss)
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        T = inputs["completion_ids"].size(1)
-        if self._rpp_bound is not None:  # log pi(. | S_t) at the sampled and the head ids (`trl_rpp.replay`)
-            support = inputs["sampler_support_ids"]
-            logits = completion_logits(model, input_ids, attention_mask, T, self.accelerator.autocast)
-            ids = torch.cat([inputs["completion_ids"].unsqueeze(-1), inputs["sampler_head_ids"]], dim=-1)
-            picked = support_logps(logits, ids, support, self.temperature)
-            kept = (support != ABSENT).any(-1)
-            logps = torch.where(kept, picked[..., 0], torch.zeros_like(picked[..., 0]))
-            return PolicyForward(logps, full_entropies(logits, self.temperature), head_logps=picked[..., 1:])
-        with self.accelerator.autocast():
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1).logits
-        # Nothing reads the logits after the backward: it may write their gradient in place (no second [B, T, V]).
-        logps, head_logps, entropies = sampled_and_head_logps(
-            logits, inputs["completion_ids"], inputs["sampler_head_ids"], self.temperature, overwrite_logits=True
-        )
-        return PolicyForward(logps, entropies, head_logps=head_logps)
+        ids = torch.cat([inputs["completion_ids"].unsqueeze(-1), inputs["sampler_head_ids"]], dim=-1)
+        support = inputs["sampler_support_ids"] if self._rpp_bound is not None else None
+        picked, entropies = head_logps(model, input_ids, attention_mask, ids, support, self.temperature,
+                                       self.accelerator.autocast, token_mask(inputs))
+        return PolicyForward(picked[..., 0], entropies, head_logps=picked[..., 1:])
 
     def _loss_advantages(self, mode, inputs, logps):
         """Advantages ``[B, T]`` and pi_old ``[B, T]`` (None when the batch stores none) that the loss uses. Deferred

@@ -97,8 +97,9 @@ def as_list(x):
 def check_score_centering_support(trainer) -> None:
     """Reject, at construction, the GRPO features whose sampling the sampler record (score centering's top-k, or a
     replayed truncating sampler's kept sets) cannot see, and, with score centering, a model generation config that
-    changes the sampling distribution q other than by a replayed truncation."""
-    from .replay import truncating
+    changes the sampling distribution q other than by a replayed truncation. Then has the policy's and the reference's
+    forwards read the head in tiles (`replay.install_head_reader`, which refuses a head it cannot read)."""
+    from .replay import install_head_reader, truncating
 
     users = [name for name, on in (("score_centering=True", trainer.args.score_centering),
                                    ("a replayed truncating sampler", trainer._rpp_bound is not None)) if on]
@@ -114,6 +115,9 @@ def check_score_centering_support(trainer) -> None:
                 f"{' and '.join(users)} does not support {name}: the sampler's log-probs are captured "
                 "token by token inside text `generate` calls (or returned by a rollout_func without tools)."
             )
+    for model in (trainer.model, trainer.ref_model):
+        if model is not None:
+            install_head_reader(trainer.accelerator.unwrap_model(model))
     if trainer.use_vllm or not trainer.args.score_centering:
         return  # vLLM samples with the config's settings, already checked by RPPConfig
     # The model's own generation config also shapes q: check what `generate` will actually use.

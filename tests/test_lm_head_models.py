@@ -1,0 +1,268 @@
+"""The head read through a model's own forward (`replay.install_head_reader`, `replay.head_logps`) equals today's
+full-logits path on that model: `support_logps` (replay) and `sampled_and_head_logps` (score centering) of the
+logits its unpatched forward returns, in value and in the gradient of every parameter, to 1e-10 in float64.
+
+Tiny models built locally, one per way a head is read: tied embeddings, a head with a bias (Phi), Cohere's
+`logit_scale`, Gemma 2's `final_logit_softcapping`, Granite's `logits_scaling`, LoRA (the head not targeted; targeted,
+it is refused), gradient checkpointing. Heads that cannot be read so are refused, naming the model type."""
+
+import math
+
+import pytest
+import torch
+
+from trl_rpp.replay import head_logps, head_transform, install_head_reader
+from trl_rpp.score_centering import sampled_and_head_logps
+from trl_rpp.truncation import ABSENT, support_logps
+
+V, HID, B, S, T, K, TEMP = 37, 16, 2, 9, 4, 5, 0.8
+SMALL = dict(vocab_size=V, hidden_size=HID, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def build(kind):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if kind == "llama_tied":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, tie_word_embeddings=True))
+    elif kind == "phi_head_bias":
+        model = tf.PhiForCausalLM(tf.PhiConfig(**SMALL))
+        torch.nn.init.normal_(model.lm_head.bias)  # zero at init: make the bias count
+    elif kind == "cohere_logit_scale":
+        model = tf.CohereForCausalLM(tf.CohereConfig(**SMALL, logit_scale=0.5))
+    elif kind == "gemma2_softcapping":
+        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**SMALL, head_dim=8, final_logit_softcapping=1.5,
+                                                     attn_implementation="eager"))
+    elif kind == "granite_logits_scaling":
+        model = tf.GraniteForCausalLM(tf.GraniteConfig(**SMALL, logits_scaling=0.5))
+    elif kind in ("lora", "lora_gradient_checkpointing", "gradient_checkpointing"):
+        from peft import LoraConfig, get_peft_model
+
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, tie_word_embeddings=False))
+        if kind != "gradient_checkpointing":
+            model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        if kind != "lora":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = model.double()
+    model.train()
+    return model
+
+
+def batch(seed=0, pad=True):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, V, (B, S), generator=g)
+    attention_mask = torch.ones(B, S, dtype=torch.long)
+    attention_mask[1, :2] = int(not pad)  # a left-padded prompt
+    support = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(B * T)]).view(B, T, K)
+    support[0, 1, 3:] = ABSENT
+    support[1, 3] = ABSENT  # a position without a kept id (a tool token)
+    input_ids[:, -T:] = support[..., 0].clamp(min=3)  # the sampled token is kept (or, where nothing is, any id)
+    support[..., 0] = torch.where(support[..., 0] == ABSENT, ABSENT, input_ids[:, -T:])
+    ids = torch.cat([input_ids[:, -T:].unsqueeze(-1), support[..., :2].clamp(min=0)], -1)
+    weights = torch.randn(B, T, ids.size(-1), generator=g, dtype=torch.float64)
+    return input_ids, attention_mask, support, ids, weights
+
+
+def param_grads(model, loss):
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return dict(zip([n for n, _ in params], torch.autograd.grad(loss, [p for _, p in params])))
+
+
+KINDS = ["llama_tied", "phi_head_bias", "cohere_logit_scale", "gemma2_softcapping", "granite_logits_scaling", "lora",
+         "gradient_checkpointing", "lora_gradient_checkpointing"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("replay", [True, False])
+def test_read_head_equals_todays_full_logits_path(kind, replay):
+    model = build(kind)
+    # Gemma 2's eager attention gives NaN gradients from a left-padded row, through its own logits too.
+    input_ids, attention_mask, support, ids, weights = batch(pad=kind != "gemma2_softcapping")
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 3] = False
+    if replay:  # the reference first: the unpatched forward
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -T - 1 : -1]
+        ref = support_logps(logits, ids, support, TEMP)
+        ref = torch.where((support != ABSENT).any(-1, keepdim=True), ref, torch.zeros_like(ref))
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1).logits
+        logps, head, _ = sampled_and_head_logps(logits, ids[..., 0], ids[..., 1:], TEMP)
+        ref = torch.where(mask.unsqueeze(-1), torch.cat([logps.unsqueeze(-1), head], -1), 0.0)
+    want = param_grads(model, (ref * weights).sum())
+
+    install_head_reader(model)
+    out, ent = head_logps(model, input_ids, attention_mask, ids, support if replay else None, TEMP,
+                          valid=None if replay else mask)
+    got = param_grads(model, (out * weights).sum())
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-10, atol=1e-10)
+    assert set(got) == set(want) and len(got) > 0
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-10, msg=name)
+    assert ent.shape == (B, T) and torch.isfinite(ent).all()
+    # The unpatched forward is unchanged (generation uses it).
+    again = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -T - 1 : -1]
+    torch.testing.assert_close(again, logits if replay else logits[:, :-1], rtol=0, atol=0)
+
+
+def test_each_models_transform_is_read_from_its_config():
+    assert head_transform(build("cohere_logit_scale").config).scale == 0.5
+    assert head_transform(build("granite_logits_scaling").config).divisor == 0.5
+    assert head_transform(build("gemma2_softcapping").config).softcap == 1.5
+    t = head_transform(build("llama_tied").config)
+    assert (t.scale, t.divisor, t.softcap) == (None, None, None)
+
+
+class ScaledHead(torch.nn.Module):
+    """A head that is not a plain linear map of the hidden states."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return 2 * self.linear(x)
+
+
+def test_a_head_that_cannot_be_read_is_refused_naming_the_model_type():
+    from peft import LoraConfig, get_peft_model
+
+    model = build("llama_tied")
+    model.lm_head = ScaledHead(model.lm_head)
+    with pytest.raises(ValueError, match=r"^model type 'llama' is not supported with a replayed truncating sampler or "
+                                         r"score centering: its output embeddings are a ScaledHead"):
+        install_head_reader(model)
+    lora = get_peft_model(build("phi_head_bias"), LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
+    with pytest.raises(ValueError, match=r"^model type 'phi' .*its output embeddings are a Linear, not a plain"):
+        install_head_reader(lora)
+
+
+def test_the_trainer_refuses_such_a_head_at_construction(tmp_path, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from trainer_helpers import length_reward, make_args
+    from trl_rpp import RPPTrainer
+    from trl_rpp.testing.tiny import copy_task_dataset
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    model.lm_head = ScaledHead(model.lm_head)
+    for kw in (dict(top_k=5), dict(score_centering=True)):
+        args = make_args(tmp_path, "reinforce_plus_plus_baseline", max_steps=1, **kw)
+        with pytest.raises(ValueError, match=r"^model type 'llama' is not supported"):
+            RPPTrainer(model=model, reward_funcs=[length_reward, length_reward], args=args,
+                       train_dataset=copy_task_dataset(8))
+
+
+# --- no forward of the trainer holds a [B, T, V] tensor -------------------------------------------------------------
+
+
+class VocabWide:
+    """Records the shape of every tensor an op allocates (a `TorchDispatchMode`) that has a dimension of the
+    vocabulary's size `V`, other than the head's and embedding's own `[V, H]` (or its transpose) and `[V]`: parameters, their gradients."""
+
+    def __init__(self, vocab, hidden):
+        self.vocab, self.parameter_shapes, self.shapes, self.parameter_seen = vocab, {(vocab, hidden), (hidden, vocab), (vocab,)}, [], 0
+
+    def __call__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        record = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and record.vocab in t.shape:
+                        if tuple(t.shape) in record.parameter_shapes:
+                            record.parameter_seen += 1
+                        else:
+                            record.shapes.append(tuple(t.shape))
+                return out
+
+        return Mode()
+
+    def largest_rows(self):
+        return max((math.prod(s) // self.vocab for s in self.shapes), default=0)
+
+
+def recording_trainer(record, replay):
+    from trl_rpp import RPPTrainer
+
+    class Recording(RPPTrainer):
+        """Records what the loss forward and its backward allocate, and, with replay, GRPO's old and reference
+        forwards (without replay they are GRPO's own fused head, not this path)."""
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            backward = self.accelerator.backward
+
+            def recorded_backward(loss, **kw):
+                with record():
+                    return backward(loss, **kw)
+
+            self.accelerator.backward = recorded_backward
+
+        def compute_loss(self, *a, **kw):
+            with record():
+                return super().compute_loss(*a, **kw)
+
+        def _get_per_token_logps_and_entropies(self, *a, **kw):
+            if not replay:
+                return super()._get_per_token_logps_and_entropies(*a, **kw)
+            self.old_or_ref_forwards = getattr(self, "old_or_ref_forwards", 0) + 1
+            with record():
+                return super()._get_per_token_logps_and_entropies(*a, **kw)
+
+    return Recording
+
+
+@pytest.mark.parametrize("replay,score_centering", [(True, False), (False, True), (True, True)])
+def test_no_forward_of_the_trainer_holds_a_vocabulary_wide_batch_tensor(tmp_path, tiny_model, monkeypatch, replay,
+                                                                        score_centering):
+    """One step (two micro-batches of 4 completions of 6 tokens; pi_old and the reference computed at generation)
+    with replay (`top_k=5`), score centering, or both. With replay no tensor of the forwards (old policy, reference,
+    loss and its backward) has a vocabulary-wide dimension at all; score centering's full softmax holds at most one
+    tile of 3 positions' logits (`TILE_ELEMENTS` set so), where the batch has up to 24. The recorder sees the plain
+    forward's `[B, S, V]` logits, and the head's `[V, H]` gradient in the backward."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer_helpers import length_reward, make_args
+    from trl_rpp import lm_head
+    from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    record = VocabWide(vocab, hidden)
+    with record():  # the recorder's teeth: the plain forward's logits
+        model(input_ids=torch.ones(2, 5, dtype=torch.long)).logits.sum()
+    assert (2, 5, vocab) in record.shapes and record.largest_rows() == 10
+    record.shapes.clear()
+
+    tile = 3
+    monkeypatch.setattr(lm_head, "TILE_ELEMENTS", tile * vocab)
+    args = make_args(tmp_path, "reinforce_plus_plus", max_steps=1, max_completion_length=6, num_iterations=2,
+                     kl_coef=0.05, top_k=5 if replay else 0,
+                     score_centering=score_centering,
+                     score_centering_top_k=(5 if replay else 8) if score_centering else 32)
+    trainer = recording_trainer(record, replay)(model=model, reward_funcs=[copy_first_char_reward, length_reward],
+                                                args=args, train_dataset=copy_task_dataset(16))
+    trainer.train()
+    assert record.parameter_seen > 0  # the backward was recorded
+    if replay:
+        assert trainer.old_or_ref_forwards >= 2
+        assert record.shapes == []
+    else:
+        assert record.shapes and record.largest_rows() == tile, sorted(set(record.shapes))
+
+
+def test_the_trl_helpers_the_tiled_head_calls_keep_their_signatures():
+    """`trl_rpp.lm_head` and `install_head_reader` call these TRL helpers (ZeRO-3's gather of the head, the entropy
+    GRPO logs); a TRL that changes them fails here, naming its version."""
+    import inspect
+
+    import trl
+    from trl.trainer import utils
+
+    for fn, params in ((utils.maybe_gather_lm_head_ctx, ["params"]), (utils.entropy_from_logits, ["logits", "chunk_size"])):
+        assert list(inspect.signature(fn).parameters) == params, f"TRL {trl.__version__} changed {fn.__name__}"
