@@ -72,7 +72,7 @@ from .trainer_utils import FORWARD_KEYS, PolicyForward, borrowed_beta, check_sco
 from .trainer_utils import empty_batch_message, generate_vllm_with_topk, masked_max, reduce_across_processes
 from .trainer_utils import sampler_topk_of_generation, token_mask
 from .truncation import ABSENT, SamplerSupportCapture, support_logps, support_of
-from .vllm_engine import use_cpu_weight_sync, vllm_engine_args
+from .vllm_engine import use_weight_sync, vllm_engine_args
 
 
 class RPPTrainer(GradGuardMixin, GRPOTrainer):
@@ -169,7 +169,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         sampler = {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, **(args.generation_kwargs or {})}
         bound = support_bound(sampler, args.use_vllm, args.replay_sampler_support)
         vllm_logprobs = (record_width(bound) or (k if args.score_centering else 0)) + 1 if args.use_vllm else 0
-        with borrowed_beta(args, self._rpp_needs_ref), vllm_engine_args(vllm_logprobs, args.vllm_dtype):
+        engine = vllm_engine_args(vllm_logprobs, args.vllm_dtype, args.vllm_server_weight_sync)
+        with borrowed_beta(args, self._rpp_needs_ref), engine:
             super().__init__(model, reward_funcs, args, **kwargs)
         self.beta = 0.0
         if not args.use_vllm:  # transformers' generate: what it will use, the model's generation config included
@@ -187,8 +188,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
                 "RPPTrainer needs a reference model for its KL (kl_coef > 0 or use_kl_loss=True), but GRPOTrainer built "
                 "none: this TRL version no longer builds it when beta != 0."
             )
-        if args.use_vllm:
-            use_cpu_weight_sync(self.vllm_generation)  # vLLM's CPU backend needs its own reload (trl_rpp.vllm_engine)
+        use_weight_sync(self)  # a CPU engine, or a server through a directory, needs its own (trl_rpp.vllm_engine)
         if self._rpp_width and args.use_vllm:
             # the kept set (processed log-probs: -inf outside it) or the top-k, plus the sampled token when outside
             self.vllm_generation.logprobs = self._rpp_width
