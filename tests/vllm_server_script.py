@@ -48,6 +48,8 @@ class ServerProbingTrainer(ProbingTrainer):
     """`ProbingTrainer` whose engine probe asks the server (every process may ask it)."""
 
     def _probe_sync(self):
+        if self._rpp_engine_faults.failure is not None:  # the sync or the generation failed: nothing to probe
+            return
         engine = server_logps(self.args.vllm_server_base_url, self.probe_ids)
         with self.full_policy() as model:
             current = policy_logps(model, self.probe_ids)
@@ -82,19 +84,19 @@ CASES = {
            ("disk_replay_top_k", "reinforce_plus_plus_baseline", dict(top_k=6, score_centering=True,
                                                                       score_centering_top_k=6)),
            ("disk_replay_top_p", "reinforce_plus_plus", dict(top_k=46, top_p=0.5)))},
-    # The server stops answering (SIGSTOP) after step 1: step 2's sync fails within the 3 s limit.
-    "disk_stopped": ("reinforce_plus_plus_baseline", dict(max_steps=3, save_strategy="steps", save_steps=1,
+    # The server stops answering (SIGSTOP) after step 2: step 3's sync fails within the 3 s limit.
+    "disk_stopped": ("reinforce_plus_plus_baseline", dict(max_steps=4, save_strategy="steps", save_steps=2,
                                                           vllm_server_request_timeout=3.0), False),
-    # The disk is full at step 2's sync (the temporary file is /dev/full).
-    "disk_full": ("reinforce_plus_plus", dict(max_steps=3), False),
+    # The disk is full at step 3's sync (the temporary file is /dev/full).
+    "disk_full": ("reinforce_plus_plus", dict(max_steps=4, save_strategy="steps", save_steps=2), False),
     # SIGTERM in step 1 of a generation batch spanning steps 1 and 2 (as the colocated preempt_sync).
     "disk_preempt": ("reinforce_plus_plus_baseline", dict(max_steps=3, steps_per_generation=4,
                                                           gradient_accumulation_steps=2), False),
     # Killed after checkpoint-2; restarted without dev mode (refused), then with it: the resumed run syncs.
     "restart": ("reinforce_plus_plus", dict(max_steps=4, save_strategy="steps", save_steps=2), False),
     "dist_disk": ("reinforce_plus_plus", dict(max_steps=2, kl_coef=0.05), False),
-    # Two processes: the server stops answering after step 1; both processes raise the same error.
-    "dist_stopped": ("reinforce_plus_plus_baseline", dict(max_steps=3, save_strategy="steps", save_steps=1,
+    # Two processes: the server stops answering after step 2; both processes raise the same error.
+    "dist_stopped": ("reinforce_plus_plus_baseline", dict(max_steps=4, save_strategy="steps", save_steps=2,
                                                           vllm_server_request_timeout=3.0), False),
 }
 
@@ -148,7 +150,7 @@ def stopped(outdir, name, initial_probe):
     from trl_rpp.engine_faults import GenerationEngineError
 
     trainer, signalled = build(outdir, name, initial_probe), []
-    trainer.add_callback(SignalServerAfter(1, signal.SIGSTOP, PGID, signalled))
+    trainer.add_callback(SignalServerAfter(2, signal.SIGSTOP, PGID, signalled))
     timed_sync(trainer)
     try:
         trainer.train()
@@ -180,10 +182,10 @@ def timed_sync(trainer):
 
 
 class FillDiskAfter(TrainerCallback):
-    """After optimizer step 1, on process 0: the temporary weights file becomes /dev/full (ENOSPC on write)."""
+    """After optimizer step 2, on process 0: the temporary weights file becomes /dev/full (ENOSPC on write)."""
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 1 and state.is_world_process_zero:
+        if state.global_step == 2 and state.is_world_process_zero:
             os.symlink("/dev/full", os.path.join(args.vllm_server_weight_dir, "weights", ".model.safetensors.partial"))
 
 
@@ -272,8 +274,7 @@ def trained(outdir, name, initial_probe):
     result = {
         "seconds": time.monotonic() - start,
         "facts": {"num_processes": trainer.accelerator.num_processes, "rank": trainer.accelerator.process_index,
-                  "max_logprobs": SERVER_INFO["model_config"]["max_logprobs"] + 1 if
-                  SERVER_INFO["model_config"]["max_logprobs"] >= 0 else 10**6,
+                  "max_logprobs": SERVER_INFO["model_config"]["max_logprobs"],
                   "engine_dtype": SERVER_INFO["model_config"]["dtype"],
                   "logprobs_mode": SERVER_INFO["model_config"]["logprobs_mode"],
                   "weight_files": sorted(os.listdir(os.path.join(trainer.args.vllm_server_weight_dir, "weights")))
