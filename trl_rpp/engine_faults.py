@@ -32,7 +32,8 @@ class GenerationEngineError(RuntimeError):
 def engine_name(trainer) -> str:
     if trainer.vllm_generation.mode == "server":  # the URL TRL's client is built with (only process 0 has one)
         args = trainer.args
-        return f"the vLLM server at {args.vllm_server_base_url or f'http://{args.vllm_server_host}:{args.vllm_server_port}'}"
+        url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        return f"the vLLM server at {url}"
     return "the colocated vLLM engine"
 
 

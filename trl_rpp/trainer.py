@@ -4,7 +4,7 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
 
     __init__                           GRPO's inside `borrowed_beta` (so that it builds the reference model) and
                                        `vllm_engine_args`, then asserts the reference exists, sets the CPU engine's
-                                       weight sync, guards a server's client and checks score-centering support
+                                       or the disk weight sync, guards a server's client, checks score centering
     train                              on resume: the newest complete checkpoint (True) or refuses a named torn one,
                                        then GRPO's, under the preemption signal handlers (`trl_rpp.preemption`)
     _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step
@@ -104,8 +104,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
     5. **Model card.** Names the real base model and records the estimator's settings (`trl_rpp.model_card`).
     6. **vLLM.** With `use_vllm=True`, GRPO's generation and its importance-sampling ratio are kept; the ratio weights
        each token's loss as in GRPO. The colocated engine is built with `RPPConfig.vllm_dtype` and, with score
-       centering, `max_logprobs = k + 1`; on vLLM's CPU backend its weights are synced through vLLM's
-       `reload_weights` (`trl_rpp.vllm_engine`).
+       centering, `max_logprobs = k + 1`; on vLLM's CPU backend its weights are synced by `reload_weights`
+       (`trl_rpp.vllm_engine`); `vllm_server_weight_sync="disk"` sends a server's through a directory.
     7. **Score centering** (`score_centering=True`, off by default). The top-k ids and log-probs of the sampling
        distribution are recorded inside transformers' `generate` (`trl_rpp.sampling`) or requested from vLLM with
        `logprobs=k` (the sampled token's log-prob then selected by id), and the loss becomes
