@@ -25,8 +25,9 @@ with several), and `trl_rpp.engine_faults` stops the run with `GenerationEngineE
 - the directory is not shared (the probe is not found);
 - the disk is full, or any other `OSError` on the write: the temporary file is removed and the previous weights stay.
 
-At construction (process 0, where TRL would open its NCCL group) the probe is checked once, so a misconfigured
-server or directory fails before any model is trained.
+At construction, process 0 checks the probe once, so a misconfigured server or directory fails before anything is
+trained; there it raises on process 0 alone, as TRL's own checks do (with importance sampling on, TRL's check of the
+server's log-prob mode names a server without dev mode first).
 """
 
 from __future__ import annotations
@@ -152,11 +153,18 @@ class DiskWeightSync:
             except OSError as err:
                 failure = ServerWeightSyncError(self._os_error(err))
                 failure.__cause__ = err
+            except Exception as err:  # raised on process 0 alone, it would leave the others at the broadcast
+                failure = ServerWeightSyncError(f"cannot write the weights to {self.folder!r}: {err!r}")
+                failure.__cause__ = err
         for _ in params:  # the gathers (and TRL's LoRA unmerge) run to the end on every process
             pass
         if main and failure is None:
             try:
-                self._rpc({"weights_path": self.folder}, "reload the weights from")
+                try:
+                    self._rpc({"weights_path": self.folder}, "reload the weights from")
+                except ServerWeightSyncError as err:
+                    note = f"{err}; its weights may be half loaded: restart it"
+                    raise ServerWeightSyncError(note, err.status) from err
                 if self._post("/reset_prefix_cache", None, "drop its prefix cache").json().get("success") is False:
                     raise ServerWeightSyncError(f"{self._server()} did not drop its prefix cache (requests running)")
             except ServerWeightSyncError as err:
