@@ -577,7 +577,8 @@ def test_a_server_that_stops_answering_fails_the_call_within_the_time_limit(vllm
 
 
 SERVER_SCRIPT = os.path.join(HERE, "vllm_server_script.py")
-SERVER_CASES = "disk_rpp,disk_lora,disk_sc32,disk_replay_top_k,disk_replay_top_p,disk_stopped,disk_full,disk_preempt"
+SERVER_CASES = ("disk_rpp,disk_lora,disk_sc32,disk_replay_top_k,disk_replay_top_p,disk_stopped,disk_unshared,disk_full,"
+                "disk_preempt")
 
 
 def run_server_script(outdir, vllm_model, server, cases, ddp=False):
@@ -602,7 +603,8 @@ def run_server_script(outdir, vllm_model, server, cases, ddp=False):
 # name -> (cases, two processes). Made on first use, once per module (`server_runs`): every server test uses the
 # fixtures of the tests above, so that they share one xdist worker, one server, and run in this file's order; the
 # restart run kills the server, so its test comes last.
-SERVER_GROUPS = {"single": (SERVER_CASES, False), "ddp": ("dist_disk,dist_stopped", True), "restart": ("restart", False)}
+SERVER_GROUPS = {"single": (SERVER_CASES, False), "ddp": ("dist_disk,dist_stopped", True),
+                 "restart": ("restart", False)}
 _SERVER_RUNS = {}
 
 
@@ -696,6 +698,20 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_weights(tmp_path_factory, 
     run = server_runs("single", tmp_path_factory, vllm_model, vllm_server)["disk_full"]
     check_sync_failure(run["failure"], "the disk is full ([Errno 28] No space left on device)")
     check_saved_weights(run)
+
+
+def test_a_directory_the_server_cannot_read_stops_the_run_and_leaves_the_server_intact(tmp_path_factory, vllm_model,
+                                                                                       vllm_server):
+    """The server cannot find the probe (removed after step 2, as where the directory is not shared): step 3's sync
+    stops with the named error before any reload, and the server's weights stay intact: the runs after this one
+    (disk_full, disk_preempt) sync and generate on the same server."""
+    runs = server_runs("single", tmp_path_factory, vllm_model, vllm_server)
+    check_sync_failure(runs["disk_unshared"]["failure"], "the directory is not shared with the server at the same path")
+    check_saved_weights(runs["disk_unshared"])
+    error = runs["disk_unshared"]["failure"]["error"]
+    assert "cannot read " in error and "/weights/probe-" in error and "HTTP 500" in error, error  # the probe, named
+    later = runs["disk_full"]["sync_probes"] + runs["disk_preempt"]["resumed"]["sync_probes"]
+    assert later and all(gap(p["engine"], p["trainer"]) <= LOGP_ATOL for p in later)
 
 
 def test_sigterm_with_a_server_saves_the_batch_and_resumes_in_it(tmp_path_factory, vllm_model, vllm_server):

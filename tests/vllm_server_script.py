@@ -87,6 +87,8 @@ CASES = {
     # The server stops answering (SIGSTOP) after step 2: step 3's sync fails within the 3 s limit.
     "disk_stopped": ("reinforce_plus_plus_baseline", dict(max_steps=4, save_strategy="steps", save_steps=2,
                                                           vllm_server_request_timeout=3.0), False),
+    # The server cannot find the probe at step 3's sync (removed after step 2, as if the directory were not shared).
+    "disk_unshared": ("reinforce_plus_plus", dict(max_steps=4, save_strategy="steps", save_steps=2), False),
     # The disk is full at step 3's sync (the temporary file is /dev/full).
     "disk_full": ("reinforce_plus_plus", dict(max_steps=4, save_strategy="steps", save_steps=2), False),
     # SIGTERM in step 1 of a generation batch spanning steps 1 and 2 (as the colocated preempt_sync).
@@ -189,11 +191,24 @@ class FillDiskAfter(TrainerCallback):
             os.symlink("/dev/full", os.path.join(args.vllm_server_weight_dir, "weights", ".model.safetensors.partial"))
 
 
+class RemoveProbeAfter(TrainerCallback):
+    """After optimizer step 2, on process 0: the probe directory is removed (the server then cannot find it)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2 and state.is_world_process_zero:
+            import shutil
+
+            shutil.rmtree(self.trainer.vllm_generation.sync_weights.probe)
+
+
 def disk_full(outdir, name, initial_probe):
     from trl_rpp.engine_faults import GenerationEngineError
 
     trainer = build(outdir, name, initial_probe)
-    trainer.add_callback(FillDiskAfter())
+    trainer.add_callback(FillDiskAfter() if name == "disk_full" else RemoveProbeAfter(trainer))
     try:
         trainer.train()
         raise AssertionError("train() returned although the disk was full")
@@ -312,7 +327,7 @@ def main():
             result = colocated.preempted_then_resumed(outdir, MODEL, name, CASES[name], initial_probe)
         elif name.endswith("stopped"):
             result = stopped(outdir, name, initial_probe)
-        elif name == "disk_full":
+        elif name in ("disk_full", "disk_unshared"):
             result = disk_full(outdir, name, initial_probe)
         elif name == "restart":
             result = restart(outdir, name, initial_probe)
