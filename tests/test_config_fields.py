@@ -192,6 +192,16 @@ RPP_FIELDS = {
                  BASE: ({"use_vllm": True, "vllm_mode": "server"}, None)},
         ignored={RPP: ({"use_vllm": False}, [60.0, None]), BASE: ({"use_vllm": True, "vllm_mode": "colocate"}, [60.0])},
     ),
+    "vllm_server_weight_sync": dict(  # the server's weight transport (trl_rpp.server_sync)
+        honored={RPP: (dict(use_vllm=True, vllm_mode="server", vllm_server_weight_dir="/tmp/w"), "disk"),
+                 BASE: (dict(use_vllm=True, vllm_mode="server", vllm_server_weight_dir="/tmp/w"), "disk")},
+        ignored={RPP: ({"use_vllm": False}, ["disk"]), BASE: ({"use_vllm": True, "vllm_mode": "colocate"}, ["disk"])},
+    ),
+    "vllm_server_weight_dir": dict(
+        honored={RPP: (dict(use_vllm=True, vllm_mode="server", vllm_server_weight_sync="disk"), "/tmp/w"),
+                 BASE: (dict(use_vllm=True, vllm_mode="server", vllm_server_weight_sync="disk"), "/tmp/w")},
+        ignored={RPP: ({"use_vllm": True, "vllm_mode": "server"}, ["/tmp/w"]), BASE: ({}, ["/tmp/w"])},
+    ),
     # Read by trl_rpp.grad_guard, except under fp16's gradient scaler (and DeepSpeed), which skip such steps themselves.
     "max_consecutive_skipped_steps": dict(
         honored={RPP: ({}, 0), BASE: ({}, 2)}, ignored={RPP: ({"fp16": True}, [0]), BASE: ({"fp16": True}, [2])},
@@ -254,7 +264,10 @@ def test_rpp_settings_an_estimator_never_reads_are_rejected(name, estimator, set
                "replay_sampler_support": "no truncating sampler setting",
                "max_consecutive_skipped_steps": "fp16=True",
                "vllm_server_request_timeout": f"vllm_mode={settings.get('vllm_mode')!r}" if settings.get("use_vllm")
-               else "use_vllm=False"}.get(name, f"advantage_estimator={estimator!r}")
+               else "use_vllm=False",
+               "vllm_server_weight_sync": f"use_vllm={settings.get('use_vllm', False)!r}, vllm_mode="
+               f"{settings.get('vllm_mode', 'colocate')!r}", "vllm_server_weight_dir": "vllm_server_weight_sync='nccl'",
+               }.get(name, f"advantage_estimator={estimator!r}")
     assert context in message and "accepted: " in message, message
 
 

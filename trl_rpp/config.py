@@ -25,6 +25,7 @@ from .preemption import parse_preemption_signals
 ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 KL_LOSS_TYPES = ("k1", "k2")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SERVER_WEIGHT_SYNCS = ("nccl", "disk")
 REWARD_ERRORS = ("raise", "unscorable")  # the choices of reward_errors and nonfinite_rewards
 # (field, former value, value): a renamed choice, still accepted with a FutureWarning.
 _RENAMED_VALUES = (("nonfinite_rewards", "error", "raise"),)
@@ -240,6 +241,27 @@ class RPPConfig(GRPOConfig):
         },
     )
 
+    vllm_server_weight_sync: str = field(
+        default="nccl",
+        metadata={
+            "help": 'How the trainer sends its weights to the vLLM server at each sync (`vllm_mode="server"`). '
+            "Possible values are:\n"
+            '- `"nccl"`: TRL\'s transport, streamed over NCCL by vLLM\'s weight-transfer engine; needs CUDA.\n'
+            '- `"disk"`: process 0 writes the gathered weights as one safetensors file to `vllm_server_weight_dir`, '
+            "which the server reads at the same path, asks the server to reload them and drops its prefix cache "
+            "(`trl_rpp.server_sync`). No NCCL: works with vLLM's CPU build, or where trainer and server cannot "
+            "open an NCCL group. The server runs with `VLLM_SERVER_DEV_MODE=1`.",
+            "choices": list(SERVER_WEIGHT_SYNCS),
+        },
+    )
+    vllm_server_weight_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": 'The directory of `vllm_server_weight_sync="disk"`, which it requires: one set of weights at a '
+            "time, each written to a temporary name and renamed. The server must read it at the same path.",
+        },
+    )
+
     max_consecutive_skipped_steps: int = field(
         default=_MAX_CONSECUTIVE_SKIPPED_STEPS,
         metadata={
@@ -441,6 +463,14 @@ _RULES = [
           when=lambda c: not c.use_vllm, under="use_vllm={use_vllm!r}"),
     _Rule("vllm_server_request_timeout", _equals(1800.0), "1800.0 (its default)", "Only a vLLM server's client reads "
           "it.", when=lambda c: c.use_vllm and c.vllm_mode != "server", under="vllm_mode={vllm_mode!r}"),
+    _Rule("vllm_server_weight_sync", _equals("nccl"), "'nccl'", "Only a vLLM server takes weights over a transport.",
+          when=lambda c: not (c.use_vllm and c.vllm_mode == "server"), under="use_vllm={use_vllm!r}, "
+          "vllm_mode={vllm_mode!r}"),
+    _Rule("vllm_server_weight_dir", lambda x: isinstance(x, str) and x.strip() != "", "a directory path that the "
+          "server reads at the same path", when=lambda c: c.vllm_server_weight_sync == "disk",
+          under="vllm_server_weight_sync='disk'"),
+    _Rule("vllm_server_weight_dir", _equals(None), "None", "Only the disk transport reads it.",
+          when=lambda c: c.vllm_server_weight_sync != "disk", under="vllm_server_weight_sync={vllm_server_weight_sync!r}"),
     _Rule("normalize_advantages", bool, "True", "Both estimators are defined with global advantage normalization.",
           under=_EST),
     _Rule("gamma", lambda x: _real(x) and 0.0 <= x <= 1.0, "a float in [0, 1]",

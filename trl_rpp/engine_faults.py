@@ -30,8 +30,10 @@ class GenerationEngineError(RuntimeError):
 
 
 def engine_name(trainer) -> str:
-    if trainer.vllm_generation.mode == "server":
-        return f"the vLLM server at {trainer.vllm_generation.vllm_client.base_url}"
+    if trainer.vllm_generation.mode == "server":  # the URL TRL's client is built with (only process 0 has one)
+        args = trainer.args
+        url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        return f"the vLLM server at {url}"
     return "the colocated vLLM engine"
 
 

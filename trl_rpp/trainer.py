@@ -4,7 +4,7 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
 
     __init__                           GRPO's inside `borrowed_beta` (so that it builds the reference model) and
                                        `vllm_engine_args`, then asserts the reference exists, sets the CPU engine's
-                                       weight sync, guards a server's client and checks score-centering support
+                                       or the disk weight sync, guards a server's client, checks score centering
     train                              on resume: the newest complete checkpoint (True) or refuses a named torn one,
                                        then GRPO's, under the preemption signal handlers (`trl_rpp.preemption`)
     _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step
@@ -72,7 +72,7 @@ from .trainer_utils import FORWARD_KEYS, PolicyForward, borrowed_beta, check_sco
 from .trainer_utils import empty_batch_message, generate_vllm_with_topk, masked_max, reduce_across_processes
 from .trainer_utils import sampler_topk_of_generation, token_mask
 from .truncation import SamplerSupportCapture
-from .vllm_engine import use_cpu_weight_sync, vllm_engine_args
+from .vllm_engine import use_weight_sync, vllm_engine_args
 
 
 class RPPTrainer(GradGuardMixin, GRPOTrainer):
@@ -104,8 +104,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
     5. **Model card.** Names the real base model and records the estimator's settings (`trl_rpp.model_card`).
     6. **vLLM.** With `use_vllm=True`, GRPO's generation and its importance-sampling ratio are kept; the ratio weights
        each token's loss as in GRPO. The colocated engine is built with `RPPConfig.vllm_dtype` and, with score
-       centering, `max_logprobs = k + 1`; on vLLM's CPU backend its weights are synced through vLLM's
-       `reload_weights` (`trl_rpp.vllm_engine`).
+       centering, `max_logprobs = k + 1`; on vLLM's CPU backend its weights are synced by `reload_weights`
+       (`trl_rpp.vllm_engine`); `vllm_server_weight_sync="disk"` sends a server's through a directory.
     7. **Score centering** (`score_centering=True`, off by default). The top-k ids and log-probs of the sampling
        distribution are recorded inside transformers' `generate` (`trl_rpp.sampling`) or requested from vLLM with
        `logprobs=k` (the sampled token's log-prob then selected by id), and the loss becomes
@@ -169,7 +169,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         sampler = {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, **(args.generation_kwargs or {})}
         bound = support_bound(sampler, args.use_vllm, args.replay_sampler_support)
         vllm_logprobs = (record_width(bound) or (k if args.score_centering else 0)) + 1 if args.use_vllm else 0
-        with borrowed_beta(args, self._rpp_needs_ref), vllm_engine_args(vllm_logprobs, args.vllm_dtype):
+        engine = vllm_engine_args(vllm_logprobs, args.vllm_dtype, args.vllm_server_weight_sync)
+        with borrowed_beta(args, self._rpp_needs_ref), engine:
             super().__init__(model, reward_funcs, args, **kwargs)
         self.beta = 0.0
         warn_overridden_model_sampling(self.accelerator.unwrap_model(self.model).generation_config.to_dict(),
@@ -191,8 +192,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
                 "RPPTrainer needs a reference model for its KL (kl_coef > 0 or use_kl_loss=True), but GRPOTrainer built "
                 "none: this TRL version no longer builds it when beta != 0."
             )
-        if args.use_vllm:
-            use_cpu_weight_sync(self.vllm_generation)  # vLLM's CPU backend needs its own reload (trl_rpp.vllm_engine)
+        use_weight_sync(self)  # a CPU engine, or a server through a directory, needs its own (trl_rpp.vllm_engine)
         if self._rpp_width and args.use_vllm:
             # the kept set (processed log-probs: -inf outside it) or the top-k, plus the sampled token when outside
             self.vllm_generation.logprobs = self._rpp_width

