@@ -9,8 +9,6 @@ subprocess that shares a colocated engine between its trainers; every cell of tw
 
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import pytest
 import matrix
 from test_engines import launch
 from test_metrics_doc import documented_patterns
-from test_vllm_engine import ENV, VLLM_ENV
+from test_vllm_engine import ENV, VLLM_ENV, run_script
 
 HERE = Path(__file__).resolve().parent
 ROBUSTNESS = HERE.parent / "docs" / "robustness.md"
@@ -126,9 +124,7 @@ def load(outdir, i, rank=0):
 def vllm_cells(tmp_path_factory, matrix_models):
     outdir = tmp_path_factory.mktemp("matrix_vllm")
     which = ",".join(map(str, indices("vllm")))
-    proc = subprocess.run([sys.executable, SCRIPT, str(outdir), matrix_models, which, "ties"], env=dict(os.environ, **ENV),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-5000:]
+    run_script([SCRIPT, str(outdir), matrix_models, which, "ties"], dict(os.environ, **ENV), timeout=RUN_TIMEOUT_S)
     return str(outdir)
 
 

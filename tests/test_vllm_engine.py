@@ -56,18 +56,25 @@ def load_results(outdir, ranks=(0,)):
     return runs
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory, vllm_model):
-    outdir = tmp_path_factory.mktemp("vllm_single")
-    proc = subprocess.Popen([sys.executable, SCRIPT, str(outdir), vllm_model, "single"], env=dict(os.environ, **ENV),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def run_script(argv, env, timeout=RUN_TIMEOUT_S):
+    """`python argv...` in a session of its own, waited for; on timeout the whole process group is killed and the test
+    fails with the output. A non-zero status fails it too."""
+    proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+        out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"no result after {RUN_TIMEOUT_S} s (hang?)\n{out[-3000:]}")
+        pytest.fail(f"no result after {timeout} s (hang?)\n{out[-3000:]}")
     assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, vllm_model):
+    outdir = tmp_path_factory.mktemp("vllm_single")
+    run_script([SCRIPT, str(outdir), vllm_model, "single"], dict(os.environ, **ENV))
     return {name: ranks[0] for name, ranks in load_results(outdir).items()}
 
 
@@ -592,16 +599,7 @@ def run_server_script(outdir, vllm_model, server, cases, ddp=False):
     if ddp:
         launch("ddp.yaml", args, timeout=RUN_TIMEOUT_S, extra_env=dict(VLLM_ENV, RPP_TEST_SERVER_CMD=command))
         return load_results(outdir, ranks=(0, 1))
-    env = dict(os.environ, **ENV, RPP_TEST_SERVER_CMD=command)
-    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"no result after {RUN_TIMEOUT_S} s (hang?)\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-5000:]
+    run_script(args, dict(os.environ, **ENV, RPP_TEST_SERVER_CMD=command))
     return {name: ranks[0] for name, ranks in load_results(outdir).items()}
 
 
