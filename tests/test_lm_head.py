@@ -269,16 +269,14 @@ def test_shapes_are_checked():
 
 def test_touched_rows_hand_checkable_case():
     """Rows 2, 0, 5 read (an ABSENT slot reads row 0): sorted distinct rows [0, 2, 5], each slot's index into them;
-    the gradient is `values` at those rows, sparse or dense, 0 elsewhere."""
+    the gradient is `values` at those rows, 0 elsewhere, three rows stored."""
     ids = torch.tensor([[2], [0]])
     support = torch.tensor([[2, 5, ABSENT], [0, 2, ABSENT]])
     rows, slots = lm_head.touched_rows(ids, support)
     assert rows.tolist() == [0, 2, 5] and slots.tolist() == [[1, 1, 2, 0], [0, 0, 1, 0]]
     values = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=torch.float64)
-    dense = lm_head.rows_gradient(rows, values, (7, 2), torch.float32, sparse=False)
-    sparse = lm_head.rows_gradient(rows, values, (7, 2), torch.float32, sparse=True)
+    sparse = lm_head.sparse_rows_gradient(rows, values, (7, 2), torch.float32)
     want = [[1.0, 2.0], [0.0, 0.0], [3.0, 4.0], [0.0, 0.0], [0.0, 0.0], [5.0, 6.0], [0.0, 0.0]]
-    assert dense.layout == torch.strided and dense.dtype == torch.float32 and dense.tolist() == want
     assert sparse.layout == torch.sparse_coo and sparse.is_coalesced() and sparse._nnz() == 3
     assert sparse.dtype == torch.float32 and sparse.to_dense().tolist() == want
 

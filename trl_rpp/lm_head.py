@@ -13,11 +13,11 @@ commute with reading a subset of the head's rows, so
 Both run through `_TiledHead`, which saves only its inputs: its backward recomputes each tile's logits, takes their
 gradient through the elementwise part with autograd (so every transform is differentiated exactly as the model's
 forward would be), and applies the head's linear map by hand, accumulating the gradients of `h`, `W` and `b` in
-float32 (float64 for float64 inputs). Replay accumulates `W`'s and `b`'s over the touched rows only (`touched_rows`,
-`rows_gradient`): added into a dense `.grad` the parameter already holds, the gradient is a sparse COO tensor, which
-autograd adds in place; otherwise it is the dense tensor that becomes `.grad`. Rows outside `valid` (and, for
-replay, rows without any kept id) read a zero hidden state: their outputs are 0 and their gradients exactly 0,
-whatever NaN or Inf they hold.
+float32 (float64 for float64 inputs). When replay's gradient of `W` (or `b`) is added into a dense `.grad` the
+parameter already holds (gradient accumulation), it is accumulated over the touched rows only and returned as a
+sparse COO tensor (`touched_rows`, `sparse_rows_gradient`), which autograd adds in place: no `[V, H]` buffer;
+otherwise it is the dense tensor that becomes `.grad`. Rows outside `valid` (and, for replay, rows without any kept
+id) read a zero hidden state: their outputs are 0 and their gradients exactly 0, whatever NaN or Inf they hold.
 
 Shapes: `N` flattened positions, `H` hidden size, `V` vocabulary, `K` kept-id slots (`ABSENT`-padded), `n` ids read.
 The functions here are pure; `trl_rpp.replay` wires them into a model's forward.
@@ -126,21 +126,16 @@ def touched_rows(ids, support_ids):
     return torch.unique(torch.cat([ids, support_ids], -1).clamp(min=0), sorted=True, return_inverse=True)
 
 
-def rows_gradient(rows, values, shape, dtype, sparse):
-    """A `shape` (`[V, *]`) gradient that is `values` at `rows` and 0 elsewhere, in `dtype`.
+def sparse_rows_gradient(rows, values, shape, dtype):
+    """A `shape` (`[V, *]`) gradient that is `values.to(dtype)` at `rows` and 0 elsewhere, as a coalesced sparse COO
+    tensor storing the `U` rows only.
 
     Args:
         rows: `[U]` distinct int64 rows, sorted; values: `[U, *]` their gradients (any float dtype).
         shape: the parameter's shape `[V, *]`; dtype: the parameter's dtype.
-        sparse: a coalesced sparse COO tensor (`U` rows stored) instead of a dense one.
-
-    Returns:
-        The gradient, sparse or dense; both hold `values.to(dtype)` bitwise at `rows`.
     """
-    values = values.to(dtype)
-    if sparse:
-        return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True, check_invariants=False)
-    return values.new_zeros(shape).index_copy_(0, rows, values)
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values.to(dtype), shape, is_coalesced=True,
+                                   check_invariants=False)  # sorted and distinct by construction
 
 
 def _adds_into_dense_grad(param):
@@ -246,12 +241,17 @@ class _TiledHead(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
         with maybe_gather_lm_head_ctx(weight, bias):
-            # Replay: `W`'s and `b`'s gradients over the touched rows only, no [V, H] buffer.
-            replay_rows = support_ids is not None and (need_w or need_b)
-            touched, slots = touched_rows(ids, support_ids) if replay_rows else (None, None)
-            rows_shape = weight.shape if touched is None else (touched.numel(), weight.size(1))
-            grad_w = torch.zeros(rows_shape, dtype=acc, device=weight.device) if need_w else None
-            grad_b = torch.zeros(rows_shape[:1], dtype=acc, device=bias.device) if need_b else None
+            # Replay into a held dense `.grad`: the touched rows only, no [V, H] buffer. Into None the dense gradient
+            # becomes `.grad`; its rows need no `torch.unique` (a host sync on a GPU).
+            sparse_w = need_w and support_ids is not None and _adds_into_dense_grad(weight)
+            sparse_b = need_b and support_ids is not None and _adds_into_dense_grad(bias)
+            touched, slots = touched_rows(ids, support_ids) if sparse_w or sparse_b else (None, None)
+            grad_w = grad_b = None
+            if need_w:
+                shape = (touched.numel(), weight.size(1)) if sparse_w else weight.shape
+                grad_w = torch.zeros(shape, dtype=acc, device=weight.device)
+            if need_b:
+                grad_b = torch.zeros(touched.shape if sparse_b else bias.shape, dtype=acc, device=bias.device)
             w_acc = weight.to(acc) if need_h and support_ids is None else None
             for start in range(0, hidden.size(0), tile):
                 sl = slice(start, start + tile)
@@ -275,14 +275,14 @@ class _TiledHead(torch.autograd.Function):
                 if need_h:
                     grad_h[sl] = torch.bmm(g.unsqueeze(1), w.to(acc)).squeeze(1)
                 if need_w:
-                    grad_w.index_add_(0, slots[sl].flatten(), (g.unsqueeze(-1) * h.unsqueeze(1)).flatten(0, 1))
+                    at = (slots[sl] if sparse_w else rows).flatten()
+                    grad_w.index_add_(0, at, (g.unsqueeze(-1) * h.unsqueeze(1)).flatten(0, 1))
                 if need_b:
-                    grad_b.index_add_(0, slots[sl].flatten(), g.flatten())
-            if touched is not None:
-                if need_w:
-                    grad_w = rows_gradient(touched, grad_w, weight.shape, weight.dtype, _adds_into_dense_grad(weight))
-                if need_b:
-                    grad_b = rows_gradient(touched, grad_b, bias.shape, bias.dtype, _adds_into_dense_grad(bias))
+                    grad_b.index_add_(0, (slots[sl] if sparse_b else rows).flatten(), g.flatten())
+            if sparse_w:
+                grad_w = sparse_rows_gradient(touched, grad_w, weight.shape, weight.dtype)
+            if sparse_b:
+                grad_b = sparse_rows_gradient(touched, grad_b, bias.shape, bias.dtype)
         if grad_h is not None:  # rows outside `valid` read a zero state: no gradient reaches what they held
             grad_h = grad_h.to(hidden.dtype)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
