@@ -3,8 +3,10 @@ full-logits path on that model: `support_logps` (replay) and `sampled_and_head_l
 logits its unpatched forward returns, in value and in the gradient of every parameter, to 1e-10 in float64.
 
 Tiny models built locally, one per way a head is read: tied embeddings, a head with a bias (Phi), Cohere's
-`logit_scale`, Gemma 2's `final_logit_softcapping`, Granite's `logits_scaling`, LoRA (the head not targeted; targeted,
-it is refused), gradient checkpointing. Heads that cannot be read so are refused, naming the model type."""
+`logit_scale`, Gemma 2's `final_logit_softcapping`, Granite's `logits_scaling`, LoRA (the head not targeted, and
+targeted: the adapter's state read as PEFT's forward reads it, disabled, merged, several adapters, dropout), gradient
+checkpointing. Heads that cannot be read so (DoRA and the other LoRA variants included) are refused, naming the model
+type."""
 
 import math
 
@@ -36,6 +38,18 @@ def build(kind):
                                                      attn_implementation="eager"))
     elif kind == "granite_logits_scaling":
         model = tf.GraniteForCausalLM(tf.GraniteConfig(**SMALL, logits_scaling=0.5))
+    elif kind == "lora_head_bias":  # LoRA on a head with a bias (Phi), next to attention
+        from peft import LoraConfig, get_peft_model
+
+        model = tf.PhiForCausalLM(tf.PhiConfig(**SMALL))
+        torch.nn.init.normal_(model.lm_head.bias)
+        model = get_peft_model(model, LoraConfig(r=3, target_modules=["lm_head", "q_proj"], init_lora_weights=False))
+    elif kind == "lora_head_tied":  # LoRA on a head tied to the embeddings
+        from peft import LoraConfig, get_peft_model
+
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, tie_word_embeddings=True))
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["lm_head", "v_proj"], init_lora_weights=False,
+                                                 lora_alpha=8))
     elif kind in ("lora", "lora_gradient_checkpointing", "gradient_checkpointing"):
         from peft import LoraConfig, get_peft_model
 
@@ -70,7 +84,7 @@ def param_grads(model, loss):
 
 
 KINDS = ["llama_tied", "phi_head_bias", "cohere_logit_scale", "gemma2_softcapping", "granite_logits_scaling", "lora",
-         "gradient_checkpointing", "lora_gradient_checkpointing"]
+         "gradient_checkpointing", "lora_gradient_checkpointing", "lora_head_bias", "lora_head_tied"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -78,31 +92,111 @@ KINDS = ["llama_tied", "phi_head_bias", "cohere_logit_scale", "gemma2_softcappin
 def test_read_head_equals_todays_full_logits_path(kind, replay):
     model = build(kind)
     # Gemma 2's eager attention gives NaN gradients from a left-padded row, through its own logits too.
-    input_ids, attention_mask, support, ids, weights = batch(pad=kind != "gemma2_softcapping")
+    compare_with_full_logits(model, replay, pad=kind != "gemma2_softcapping")
+
+
+def compare_with_full_logits(model, replay, pad=True, seed=None, trainable=True):
+    """`head_logps` through the patched forward against the unpatched forward's logits (`support_logps` or
+    `sampled_and_head_logps`): values and every trainable parameter's gradient, float64, 1e-10 (values only with
+    `trainable` False: PEFT freezes disabled adapters). With `seed`, both forwards start from that RNG state (dropout
+    draws the same masks). Returns the read log-probs."""
+    input_ids, attention_mask, support, ids, weights = batch(pad=pad)
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[1, 3] = False
+    if seed is not None:
+        torch.manual_seed(seed)
     if replay:  # the reference first: the unpatched forward
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -T - 1 : -1]
         ref = support_logps(logits, ids, support, TEMP)
         ref = torch.where((support != ABSENT).any(-1, keepdim=True), ref, torch.zeros_like(ref))
     else:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1).logits
+        # With a seed, every position's logits: the head's dropout then draws its mask over the same [B, S, H].
+        logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                       logits_to_keep=T + 1 if seed is None else 0).logits[:, -T - 1 :]
         logps, head, _ = sampled_and_head_logps(logits, ids[..., 0], ids[..., 1:], TEMP)
         ref = torch.where(mask.unsqueeze(-1), torch.cat([logps.unsqueeze(-1), head], -1), 0.0)
-    want = param_grads(model, (ref * weights).sum())
+    want = param_grads(model, (ref * weights).sum()) if trainable else {}
 
-    install_head_reader(model)
+    if not getattr(model, "rpp_reader", False):
+        install_head_reader(model)
+        model.rpp_reader = True
+    if seed is not None:
+        torch.manual_seed(seed)
     out, ent = head_logps(model, input_ids, attention_mask, ids, support if replay else None, TEMP,
                           valid=None if replay else mask)
-    got = param_grads(model, (out * weights).sum())
+    got = param_grads(model, (out * weights).sum()) if trainable else {}
     torch.testing.assert_close(out, ref.detach(), rtol=1e-10, atol=1e-10)
-    assert set(got) == set(want) and len(got) > 0
+    assert set(got) == set(want) and len(got) == (len(got) if trainable else 0) and (len(got) > 0) == trainable
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-10, msg=name)
     assert ent.shape == (B, T) and torch.isfinite(ent).all()
     # The unpatched forward is unchanged (generation uses it).
+    if seed is not None:
+        torch.manual_seed(seed)
     again = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -T - 1 : -1]
     torch.testing.assert_close(again, logits if replay else logits[:, :-1], rtol=0, atol=0)
+    return out.detach()
+
+
+def lora_grads_of_head(model):
+    return [n for n, p in model.named_parameters() if p.requires_grad and "lm_head.lora_" in n]
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_a_lora_heads_state_is_read_as_peft_reads_it(replay):
+    """Disabled adapters (the reference model), a merged adapter, two active adapters (their terms summed) and a
+    second adapter switched to alone: each read equals PEFT's own forward, and each state reads differently."""
+    from peft import LoraConfig
+
+    model = build("lora_head_bias")
+    assert lora_grads_of_head(model) == ["base_model.model.lm_head.lora_A.default.weight",
+                                         "base_model.model.lm_head.lora_B.default.weight"]
+    enabled = compare_with_full_logits(model, replay)
+    with model.disable_adapter():
+        assert not any(p.requires_grad for p in model.parameters())
+        disabled = compare_with_full_logits(model, replay, trainable=False)
+    assert (enabled - disabled).abs().max() > 1e-3
+    model.add_adapter("other", LoraConfig(r=2, target_modules=["lm_head"], init_lora_weights=False))
+    model.base_model.set_adapter(["default", "other"])
+    model.double()
+    both = compare_with_full_logits(model, replay)
+    assert (both - enabled).abs().max() > 1e-3
+    model.base_model.set_adapter("other")
+    other = compare_with_full_logits(model, replay)
+    assert (other - both).abs().max() > 1e-3
+    model.base_model.set_adapter("default")
+    model.merge_adapter()
+    assert model.base_model.model.lm_head.merged
+    with torch.no_grad():  # merged weights are not trainable through the adapter: values only
+        torch.testing.assert_close(compare_values_only(model, replay), enabled, rtol=1e-10, atol=1e-10)
+    model.unmerge_adapter()
+
+
+def compare_values_only(model, replay):
+    input_ids, attention_mask, support, ids, _ = batch()
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 3] = False
+    out, _ = head_logps(model, input_ids, attention_mask, ids, support if replay else None, TEMP,
+                        valid=None if replay else mask)
+    return out
+
+
+def test_a_lora_heads_dropout_is_applied():
+    """lora_dropout = 0.5: under the same seed the read equals PEFT's forward exactly (the same masks); in train mode
+    two reads differ, in eval mode they are equal."""
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, tie_word_embeddings=False))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False,
+                                             lora_dropout=0.5)).double()
+    model.train()
+    compare_with_full_logits(model, replay=False, seed=1)
+    first, second = compare_values_only(model, False), compare_values_only(model, False)
+    assert (first - second).abs().max() > 1e-3
+    model.eval()
+    torch.testing.assert_close(compare_values_only(model, False), compare_values_only(model, False), rtol=0, atol=0)
 
 
 def test_each_models_transform_is_read_from_its_config():
@@ -132,9 +226,13 @@ def test_a_head_that_cannot_be_read_is_refused_naming_the_model_type():
     with pytest.raises(ValueError, match=r"^model type 'llama' is not supported with a replayed truncating sampler or "
                                          r"score centering: its output embeddings are a ScaledHead"):
         install_head_reader(model)
-    lora = get_peft_model(build("phi_head_bias"), LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
-    with pytest.raises(ValueError, match=r"^model type 'phi' .*its output embeddings are a Linear, not a plain"):
-        install_head_reader(lora)
+    dora = get_peft_model(build("phi_head_bias"), LoraConfig(r=2, target_modules=["lm_head", "q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match=r"^model type 'phi' is not supported with a LoRA adapter on its head set with "
+                                         r"use_dora \(adapter 'default'\)"):
+        install_head_reader(dora)
+    lora_bias = get_peft_model(build("phi_head_bias"), LoraConfig(r=2, target_modules=["lm_head"], lora_bias=True))
+    with pytest.raises(ValueError, match=r"^model type 'phi' .* set with lora_bias=True"):
+        install_head_reader(lora_bias)
 
 
 def test_the_trainer_refuses_such_a_head_at_construction(tmp_path, tiny_model):

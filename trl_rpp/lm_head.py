@@ -221,7 +221,8 @@ class _TiledHead(torch.autograd.Function):
         grad_u = torch.zeros(u.shape, dtype=acc, device=u.device) if need_u else None
         grad_lb = torch.zeros(lora_b.shape, dtype=acc, device=lora_b.device) if need_lb else None
         b_acc = lora_b.to(acc) if need_u and support_ids is None else None
-        with maybe_gather_lm_head_ctx(weight, bias, lora_b):
+        # ZeRO-3 gathers parameters only; several adapters' B is a concatenation, saved whole.
+        with maybe_gather_lm_head_ctx(weight, bias, lora_b if isinstance(lora_b, torch.nn.Parameter) else None):
             grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
             grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
             w_acc = weight.to(acc) if need_h and support_ids is None else None
