@@ -364,3 +364,131 @@ def test_the_trl_helpers_the_tiled_head_calls_keep_their_signatures():
 
     for fn, params in ((utils.maybe_gather_lm_head_ctx, ["params"]), (utils.entropy_from_logits, ["logits", "chunk_size"])):
         assert list(inspect.signature(fn).parameters) == params, f"TRL {trl.__version__} changed {fn.__name__}"
+
+
+# --- a LoRA adapter on the head, trained by RPPTrainer ----------------------------------------------------------------
+
+LORA_HEAD_PATHS = {"neither": {}, "replay": dict(top_k=5), "score_centering": dict(score_centering=True,
+                   score_centering_top_k=8), "both": dict(top_k=5, score_centering=True, score_centering_top_k=5)}
+
+
+def full_logits_reference(trainer, model, inputs):
+    """The loss forward's log-probs from the `[B, T, V]` logits of PEFT's own forward (the adapter applied by
+    `lora.Linear.forward`): `support_logps` over the kept sets with replay, else the full softmax; with score
+    centering also at the sampler's head ids."""
+    from trl_rpp.trainer_utils import PolicyForward
+
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    T = inputs["completion_ids"].size(1)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1).logits
+    ids = inputs["completion_ids"].unsqueeze(-1)
+    if trainer.args.score_centering:
+        ids = torch.cat([ids, inputs["sampler_head_ids"]], -1)
+    if trainer._rpp_bound is not None:
+        support = inputs["sampler_support_ids"]
+        ref = support_logps(logits[:, :-1], ids, support, trainer.temperature)
+        ref = torch.where((support != ABSENT).any(-1, keepdim=True), ref, torch.zeros_like(ref))
+    elif trainer.args.score_centering:
+        logps, head, _ = sampled_and_head_logps(logits, ids[..., 0], ids[..., 1:], trainer.temperature)
+        ref = torch.cat([logps.unsqueeze(-1), head], -1)
+    else:
+        ref = torch.log_softmax(logits[:, :-1] / trainer.temperature, -1).gather(-1, ids)
+    return PolicyForward(ref[..., 0], torch.zeros_like(ref[..., 0]),
+                         head_logps=ref[..., 1:] if trainer.args.score_centering else None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", list(LORA_HEAD_PATHS))
+def test_a_lora_adapter_on_the_head_is_trained_exactly_on_every_path(tmp_path, tiny_model, path):
+    """LoRA on lm_head, q_proj and v_proj (float64), 2 steps of REINFORCE++-baseline with its k2 KL loss, whose
+    reference is the disabled adapter: the replay, score centering, both, or neither (where GRPO's fused head would
+    ignore the adapter). At each step the loss and the gradients of the head's adapter equal those
+    of the same loss on PEFT's full logits (1e-10), and so do the reference log-probs taken at generation; losses are
+    finite and the head's adapter moves."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from trainer_helpers import make_args
+    from trl_rpp import RPPTrainer
+    from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
+
+    class Checked(RPPTrainer):
+        checks, moving, losses = 0, 0, []
+
+        def _compute_loss(self, model, inputs):
+            loss = super()._compute_loss(model, inputs)
+            if not self.model.training:
+                return loss
+            self.losses.append(loss.item())
+            params = [p for n, p in model.named_parameters() if "lm_head.lora_" in n]
+            assert len(params) == 2
+            got = torch.autograd.grad(loss, params, retain_graph=True)
+            self._policy_forward = lambda m, i: full_logits_reference(self, m, i)
+            try:
+                want_loss = super()._compute_loss(model, inputs)
+            finally:
+                del self._policy_forward
+            want = torch.autograd.grad(want_loss, params)
+            torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+            self.moving += bool(got[1].abs().max() > 0)  # lora_B of the head gets a gradient
+            with torch.no_grad(), model.disable_adapter():  # the reference: PEFT's forward without the adapter
+                ref = full_logits_reference(self, model, inputs).logps
+            mask = inputs["completion_mask"].bool()
+            torch.testing.assert_close(inputs["ref_per_token_logps"][mask], ref[mask], rtol=1e-10, atol=1e-10)
+            self.checks += 1
+            return loss
+
+    def varied_reward(completions, **kwargs):  # differs inside a group: every step has nonzero advantages
+        return [float(sum(map(ord, c)) % 7) for c in completions]
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
+    args = make_args(tmp_path, "reinforce_plus_plus_baseline", max_steps=2, gradient_accumulation_steps=1,
+                     steps_per_generation=1, **LORA_HEAD_PATHS[path])
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], lora_dropout=0.0)
+    trainer = Checked(model=model, reward_funcs=[copy_first_char_reward, varied_reward], args=args,
+                      train_dataset=copy_task_dataset(16), peft_config=lora)
+    assert trainer._rpp_lora_head
+    head = trainer.model.base_model.model.lm_head
+    before = head.lora_B["default"].weight.detach().clone()
+    trainer.train()
+    assert trainer.checks == trainer.moving == 2 and all(math.isfinite(x) for x in trainer.losses)
+    assert (head.lora_B["default"].weight - before).abs().max() > 1e-4
+
+
+def test_lm_head_adapters_the_trainer_cannot_train_exactly_are_refused_at_construction(tmp_path, tiny_model,
+                                                                                     monkeypatch):
+    """cast_lm_head_to_fp32 with a LoRA head (before any model is loaded, and with a PeftModel), DoRA on the head
+    (naming use_dora), an adapter type other than LoRA on the head (TRL's own refusal, still in force), and a TRL whose
+    refusal is no longer the one `trl_lm_head_lora_allowed` was written against (naming the TRL version)."""
+    from peft import IA3Config, LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl.trainer import grpo_trainer
+
+    from trainer_helpers import length_reward, make_args
+    from trl_rpp import RPPTrainer, trainer_utils
+    from trl_rpp.testing.tiny import copy_task_dataset
+
+    def build_trainer(model, peft_config=None, **kw):
+        args = make_args(tmp_path, "reinforce_plus_plus_baseline", max_steps=1, **kw)
+        return RPPTrainer(model=model, reward_funcs=[length_reward, length_reward], args=args,
+                          train_dataset=copy_task_dataset(8), peft_config=peft_config)
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "lm_head"])
+    cast = r"^cast_lm_head_to_fp32=True is not supported with a LoRA adapter on lm_head"
+    with pytest.raises(ValueError, match=cast):
+        build_trainer(str(tmp_path / "no-such-model"), lora, cast_lm_head_to_fp32=True)
+    with pytest.raises(ValueError, match=cast):
+        build_trainer(get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), lora), cast_lm_head_to_fp32=True)
+    with pytest.raises(ValueError, match=r"^model type 'llama' is not supported with a LoRA adapter on its head set "
+                                         r"with use_dora"):
+        build_trainer(tiny_model, LoraConfig(r=4, target_modules=["lm_head"], use_dora=True))
+    with pytest.raises(ValueError, match=r"Applying a PEFT adapter to `lm_head` is not supported"):
+        build_trainer(tiny_model, IA3Config(target_modules=["lm_head", "down_proj"], feedforward_modules=["down_proj"]))
+    real = grpo_trainer.BaseTunerLayer
+    monkeypatch.setattr(trainer_utils, "TRL_LM_HEAD_REFUSAL", "a check this TRL does not have")
+    with pytest.raises(RuntimeError, match=r"as written in TRL 1\.16; TRL \S+ no longer checks it the same way"):
+        build_trainer(tiny_model, lora)
+    assert grpo_trainer.BaseTunerLayer is real  # restored after each construction
