@@ -201,7 +201,8 @@ def test_a_lowrank_term_equals_a_float64_plain_loop_reference(full, tile):
 def test_hand_checkable_lowrank_case():
     """H = r = 1, head rows 1, 2, 3 (no bias), B rows 1, 0, -1, h = u = 1, tau = 1: every logit is 2. Over S = {0, 2}
     log pi(0 | S) = -log 2 (-log 3 under the full softmax); gradients: in u, B_0 - (B_0 + B_2) / 2 = 1; in h,
-    W_0 - (W_0 + W_2) / 2 = -1; in B, rows 0 and 2 get (1 - 1/2) u = 1/2 and -1/2, row 1 nothing (W the same times h)."""
+    W_0 - (W_0 + W_2) / 2 = -1; in B, rows 0 and 2 get (1 - 1/2) u = 1/2 and -1/2, row 1 nothing (W the same, times
+    h)."""
     h = torch.ones(1, 1, dtype=torch.float64, requires_grad=True)
     w = torch.tensor([[1.0], [2.0], [3.0]], dtype=torch.float64, requires_grad=True)
     u = torch.ones(1, 1, dtype=torch.float64, requires_grad=True)

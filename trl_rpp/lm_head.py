@@ -16,8 +16,8 @@ commute with reading a subset of the head's rows, so
 Both run through `_TiledHead`, which saves only its inputs: its backward recomputes each tile's logits, takes their
 gradient through the elementwise part with autograd (so every transform is differentiated exactly as the model's
 forward would be), and applies the head's linear map by hand, accumulating the gradients of `h`, `W`, `b`, `u` and
-`B` in float32 (float64 for float64 inputs). Rows outside `valid` (and, for replay, rows without any kept id) read a zero
-hidden state (and `u`): their outputs are 0 and their gradients exactly 0, whatever NaN or Inf they hold.
+`B` in float32 (float64 for float64 inputs). Rows outside `valid` (and, for replay, rows without any kept id) read a
+zero hidden state (and `u`): their outputs are 0 and their gradients exactly 0, whatever NaN or Inf they hold.
 
 Shapes: `N` flattened positions, `H` hidden size, `V` vocabulary, `K` kept-id slots (`ABSENT`-padded), `n` ids read,
 `r` the low-rank term's rank.
@@ -87,8 +87,8 @@ def kept_logps(hidden, weight, bias, ids, support_ids, temperature, transform=ID
 
 
 def full_logps(hidden, weight, bias, ids, temperature, transform=IDENTITY, valid=None, tile=None, lowrank=None):
-    """`log softmax(transform(h W^T + b) / tau)` at `ids` and the full-vocabulary entropy, one tile of positions at a
-    time: what `trl_rpp.score_centering.sampled_and_head_logps` returns from the `[B, T, V]` logits.
+    """`log softmax(transform(h W^T + b [+ u B^T]) / tau)` at `ids` and the full-vocabulary entropy, one tile of
+    positions at a time: what `trl_rpp.score_centering.sampled_and_head_logps` returns from the `[B, T, V]` logits.
 
     Args:
         hidden: `[N, H]` final hidden states.
@@ -219,10 +219,10 @@ class _TiledHead(torch.autograd.Function):
         need_u, need_lb = ctx.needs_input_grad[9:11]
         grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
         grad_u = torch.zeros(u.shape, dtype=acc, device=u.device) if need_u else None
-        grad_lb = torch.zeros(lora_b.shape, dtype=acc, device=lora_b.device) if need_lb else None
-        b_acc = lora_b.to(acc) if need_u and support_ids is None else None
         # ZeRO-3 gathers parameters only; several adapters' B is a concatenation, saved whole.
         with maybe_gather_lm_head_ctx(weight, bias, lora_b if isinstance(lora_b, torch.nn.Parameter) else None):
+            grad_lb = torch.zeros(lora_b.shape, dtype=acc, device=lora_b.device) if need_lb else None
+            b_acc = lora_b.to(acc) if need_u and support_ids is None else None
             grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
             grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
             w_acc = weight.to(acc) if need_h and support_ids is None else None

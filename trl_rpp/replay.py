@@ -176,7 +176,8 @@ def check_lora_head(head, kind):
     only `h W^T + b + scaling * lora_B(lora_A(dropout(h)))` is read from the head's rows (`head_lowrank`)."""
     for adapter in head.lora_A:
         variant = head.lora_variant.get(adapter)
-        settings = [" and ".join(k) for k, cls in head.lora_variants.items() if cls is not None and type(variant) is cls]
+        settings = [" and ".join(k) for k, cls in head.lora_variants.items()
+                    if cls is not None and type(variant) is cls]
         setting = (settings or [type(variant).__name__])[0] if variant is not None else None
         if setting is None and head.lora_bias.get(adapter):
             setting = "lora_bias=True"

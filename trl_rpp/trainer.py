@@ -211,7 +211,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         if self._rpp_width:
             check_score_centering_support(self)
             self._rpp_weight_fn = importance_weight_fn(self)  # TRL's token-level sampler correction f(ratio), or None
-        # A LoRA adapter on the head: TRL's fused head would ignore it, so every forward reads it (`replay.head_lowrank`).
+        # A LoRA adapter on the head: TRL's fused head would ignore it, every forward reads it (`replay.head_lowrank`).
         self._rpp_lora_head = lora_head(self.accelerator.unwrap_model(self.model).get_output_embeddings())
         if self._rpp_lora_head:
             if self.aux_loss_enabled:
