@@ -182,14 +182,16 @@ def trl_lm_head_lora_allowed(model, args, peft_config):
     `lm_head.weight` only and would never train the adapter. For the duration of the call, the module global
     `trl.trainer.grpo_trainer.BaseTunerLayer` becomes a class that every PEFT layer but PEFT's LoRA `Linear` is an
     instance of; TRL's refusal stands for any other adapter type. Written against TRL 1.16: the module must use
-    `BaseTunerLayer` in exactly those two checks of `__init__` (the one above and `cast_lm_head_to_fp32`'s); another
-    TRL raises `RuntimeError` naming its version instead of patching blindly.
+    `BaseTunerLayer` in exactly those two checks of `__init__` (the one above and `cast_lm_head_to_fp32`'s); on another
+    TRL nothing is patched, and a LoRA config targeting `lm_head` raises `RuntimeError` naming its version. Patched
+    only for a LoRA `peft_config` or a PEFT model with a LoRA head (`peft_config` may target a head named otherwise).
 
     `cast_lm_head_to_fp32=True` with a LoRA head stays refused, here before any model is loaded (`ValueError` naming
     the field), and nothing is patched then: TRL's own checks run unchanged."""
     from .replay import lora_head
 
     try:
+        from peft import LoraConfig
         from peft.tuners.tuners_utils import BaseTunerLayer, check_target_module_exists
     except ImportError:  # without PEFT there is no adapter to let through
         yield
@@ -199,13 +201,16 @@ def trl_lm_head_lora_allowed(model, args, peft_config):
     if not isinstance(model, str) and is_peft_model(model):
         targeted = lora_head(model.get_output_embeddings())
     else:
-        targeted = peft_config is not None and bool(getattr(peft_config, "target_modules", None)) and bool(
+        targeted = isinstance(peft_config, LoraConfig) and bool(peft_config.target_modules) and bool(
             check_target_module_exists(peft_config, "lm_head"))
     if args.cast_lm_head_to_fp32:
         if targeted:
             raise ValueError("cast_lm_head_to_fp32=True is not supported with a LoRA adapter on lm_head (TRL casts the "
                              "head's weight, not the adapter): set cast_lm_head_to_fp32=False (the default), or remove "
                              "lm_head from the adapter's target_modules.")
+        yield
+        return
+    if not (targeted or isinstance(peft_config, LoraConfig)):  # no LoRA adapter can reach the head
         yield
         return
     import inspect
@@ -217,6 +222,9 @@ def trl_lm_head_lora_allowed(model, args, peft_config):
     init = inspect.getsource(grpo_trainer.GRPOTrainer.__init__)
     if (getattr(grpo_trainer, "BaseTunerLayer", None) is not BaseTunerLayer or TRL_LM_HEAD_REFUSAL not in init
             or TRL_CAST_REFUSAL not in init or source.count("BaseTunerLayer") != 3):
+        if not targeted:  # TRL's own check, whatever it is, decides about a head we did not see targeted
+            yield
+            return
         raise RuntimeError(
             f"RPPTrainer lets a LoRA adapter on lm_head through GRPOTrainer's refusal as written in TRL 1.16; TRL "
             f"{trl.__version__} no longer checks it the same way (`{TRL_LM_HEAD_REFUSAL}` in `GRPOTrainer.__init__`): "
