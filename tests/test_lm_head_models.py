@@ -398,7 +398,6 @@ def full_logits_reference(trainer, model, inputs):
                          head_logps=ref[..., 1:] if trainer.args.score_centering else None)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("path", list(LORA_HEAD_PATHS))
 def test_a_lora_adapter_on_the_head_is_trained_exactly_on_every_path(tmp_path, tiny_model, path):
     """LoRA on lm_head, q_proj and v_proj (float64), 2 steps of REINFORCE++-baseline with its k2 KL loss, whose
