@@ -176,6 +176,18 @@ def test_vllm_generation_members_the_package_uses():
     assert "self.vllm_generation = VLLMGeneration(" in init and "self._last_loaded_step" in init
 
 
+def test_the_server_url_checked_at_construction_is_the_one_trls_client_uses():
+    """`trl_rpp.server_sync.server_url` repeats how TRL makes the server's URL (`VLLMGeneration._init_vllm`,
+    `VLLMClient.__init__`): the construction check must ask the server TRL's client will use."""
+    from trl.generation.vllm_client import VLLMClient
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    assert 'base_url = f"http://{self.server_host}:{self.server_port}"' in inspect.getsource(VLLMGeneration._init_vllm)
+    client = inspect.getsource(VLLMClient.__init__)
+    assert 'scheme = parsed_url.scheme or "http"' in client
+    assert 'self.base_url = f"{scheme}://{parsed_url.netloc}{parsed_url.path}"' in client
+
+
 def test_the_vllm_branch_that_trainer_utils_copies_is_unchanged():
     """`generate_vllm_with_topk` is GRPO's vLLM branch of `_generate_single_turn` keeping the top-k lists: a keyword
     TRL adds to its `generate` call (a new multimodal input, say) must be added there too, not silently dropped."""

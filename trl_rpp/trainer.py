@@ -2,7 +2,8 @@
 
 Hook map. The GRPOTrainer members overridden here, in the order a run calls them, and what passes between them:
 
-    __init__                           GRPO's inside `borrowed_beta` (so that it builds the reference model),
+    __init__                           checks a disk-synced server on every process (`trl_rpp.server_sync`), then
+                                       GRPO's inside `borrowed_beta` (so that it builds the reference model),
                                        `vllm_engine_args` and `trl_lm_head_lora_allowed`, then asserts the reference
                                        exists, sets the CPU engine's or the disk weight sync, guards a server's
                                        client, checks score centering, reads a LoRA head
@@ -70,6 +71,7 @@ from .replay import record_width, replayed_logps, support_bound
 from .sampling import SamplerTopKCapture, capturing_generate, warn_overridden_model_sampling
 from .score_centering import importance_weight_fn, score_centered_ppo_loss
 from .score_centering import score_centering_metric_sums
+from .server_sync import check_at_construction
 from .trainer_utils import FORWARD_KEYS, PolicyForward, borrowed_beta, check_score_centering_support
 from .trainer_utils import empty_batch_message, generate_vllm_with_topk, masked_max, reduce_across_processes
 from .trainer_utils import sampler_topk_of_generation, token_mask, trl_lm_head_lora_allowed
@@ -176,6 +178,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         sampler = {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, **(args.generation_kwargs or {})}
         bound = support_bound(sampler, args.use_vllm, args.replay_sampler_support)
         vllm_logprobs = (record_width(bound) or (k if args.score_centering else 0)) + 1 if args.use_vllm else 0
+        # Before any model is loaded, on every process: a server or directory that cannot work raises everywhere.
+        disk_sync = check_at_construction(args)  # vllm_server_weight_sync="disk" (trl_rpp.server_sync)
         engine = vllm_engine_args(vllm_logprobs, args.vllm_dtype, args.vllm_server_weight_sync)
         lora_allowed = trl_lm_head_lora_allowed(model, args, kwargs.get("peft_config"))
         with borrowed_beta(args, self._rpp_needs_ref), engine, lora_allowed:
@@ -200,7 +204,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
                 "RPPTrainer needs a reference model for its KL (kl_coef > 0 or use_kl_loss=True), but GRPOTrainer built "
                 "none: this TRL version no longer builds it when beta != 0."
             )
-        use_weight_sync(self)  # a CPU engine, or a server through a directory, needs its own (trl_rpp.vllm_engine)
+        use_weight_sync(self, disk_sync)  # a CPU engine, or a server through a directory, needs its own (vllm_engine)
         if self._rpp_width and args.use_vllm:
             # the kept set (processed log-probs: -inf outside it) or the top-k, plus the sampled token when outside
             self.vllm_generation.logprobs = self._rpp_width
