@@ -44,8 +44,9 @@ interval of a difference of means and a two-sided permutation test; seeds are no
 diverge within a few steps).
 
 Every (condition, arm, seed) runs in its own process; a run that finished left `summary.json` and is skipped when the
-sweep is started again. Per-step metrics are kept in `summary.json` (`series`, 4 significant digits), so that every
-run's file can be committed.
+sweep is started again. Per-step metrics are kept in `summary.json` (`series`, 4 significant digits). `--report`
+keeps what it reads of every run in `<out>/runs.parquet` (`run_table`) and reads that table where the runs' own files
+are absent, as in the repository.
 """
 
 from __future__ import annotations
@@ -586,7 +587,7 @@ def run_one(condition: str, arm: str, seed: int, opts):
         settings={k: getattr(opts, k) for k in RUN_SETTINGS},
     )
     with open(os.path.join(outdir, "summary.json"), "w") as f:  # written last: marks the run as done
-        json.dump(summary, f)  # one line: about 18 kB per run (300 steps), every run is committed
+        json.dump(summary, f)  # one line: about 18 kB per run (300 steps)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("curves", "series", "step_seconds")}), flush=True)
     return summary
 
@@ -725,7 +726,7 @@ def _fmt_contrast(c):
 
 def report(opts):
     """`<out>/report.md` and `report.json` (docs/evidence.md copies the summary table) and the figure, from every
-    summary.json under `--out`."""
+    run under `--out` (`load_study`)."""
     study = load_study(opts.out)
     conditions = [c for c in CONDITIONS if study.has(c)]
     conditions += [c for c in study.children() if SOURCE.match(c) and c not in conditions]
@@ -782,7 +783,8 @@ def report(opts):
     with open(os.path.join(opts.out, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     if any(c in out for c in conditions):
-        plot(opts, out, conditions)
+        if not getattr(opts, "no_figures", False):
+            plot(opts, out, conditions)
     print("\n".join(lines))
     return out
 
@@ -889,6 +891,7 @@ def main():
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--run", nargs=3, metavar=("CONDITION", "ARM", "SEED"), default=None, help="internal: one run")
     ap.add_argument("--report", action="store_true")
+    ap.add_argument("--no_figures", action="store_true", help="--report: the tables only")
     opts = ap.parse_args()
     opts.lengths = [int(x) for x in str(opts.lengths).split(",")]
     opts.seeds = [int(x) for x in opts.seeds.split(",")]

@@ -122,8 +122,7 @@ class Runs:
 
     def has(self, *parts) -> bool:
         """Whether any run lies under the directory `parts` (`os.path.isdir` of a directory holding runs)."""
-        prefix = "/".join(parts) + "/"
-        return any(r["run"].startswith(prefix) for r in self.records)
+        return any(r["run"].split("/")[:len(parts)] == list(parts) for r in self.records)
 
     def children(self, *parts) -> list[str]:
         """The sorted names of the directories right under `parts` that hold runs (`os.listdir`)."""

@@ -41,7 +41,8 @@ the same with or without truncation). Seeds are not paired (runs that share a se
 Welch's unpaired 95% interval and a two-sided permutation p (study 4's functions).
 
 Every (arm, seed) runs in its own process and leaves `summary.json` (written last) in `<out>/<arm>/seed<k>/`; a
-sweep started again skips those runs.
+sweep started again skips those runs. `--report` keeps what it reads of every run in `<out>/runs.parquet`
+(`run_table`) and reads that table where the runs' own files are absent, as in the repository.
 """
 
 from __future__ import annotations
