@@ -2,7 +2,8 @@
 results in `benchmarks/results/compare_estimators/report.json` or `studies.json` (mean, and mean -/+ the interval's
 half-width), or in study 4's `benchmarks/results/mismatch_study/report.json` or study 5's
 `benchmarks/results/truncation_study/report.json` (a t interval over an arm's seeds, or a contrast's Welch interval),
-so a number edited by hand, or left behind by a new sweep, fails here."""
+so a number edited by hand, or left behind by a new sweep, fails here. And each of those reports regenerates from its
+study's `runs.parquet` alone, the raw per-run logs not being in the repository."""
 
 import json
 import math
