@@ -86,12 +86,17 @@ def read(root: str) -> list[dict]:
 
 
 def load(root: str, raw: list[dict]) -> list[dict]:
-    """The records of the runs under `root`: `raw` (read from the runs' own logs) when there are any, also written
-    to the table so that it follows them; else the table's."""
-    if raw:
-        write(root, raw)
-        return raw
-    return read(root)
+    """The records of the runs under `root`: the table's, each replaced by the record `raw` holds for the same run
+    (read from the run's own logs), and `raw`'s other runs added, in order; written back when `raw` has any, so that
+    runs swept in a clone without the others' logs join the table instead of replacing it."""
+    kept = read(root)
+    if not raw:
+        return kept
+    merged = {r["run"]: r for r in kept}
+    merged.update((r["run"], r) for r in raw)
+    records = sorted(merged.values(), key=lambda r: r["run"].split("/"))
+    write(root, records)
+    return records
 
 
 def raw_runs(root: str, read_run, depths=(2,)) -> list[dict]:
