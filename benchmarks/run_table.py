@@ -3,8 +3,9 @@
 Each run of a sweep writes its raw logs (`summary.json`, and `metrics.jsonl` for `compare_estimators.py`); a report
 keeps of each run only what its analysis reads (final scores, learning-curve points, the per-step series it
 averages) and writes that here, so a clone that has the table but not the raw logs reproduces the report exactly.
-Values are stored as they were read (float64, ints as ints), so the report's numbers do not depend on which of the
-two it was computed from. `datasets` reads the table: ``Dataset.from_parquet("<dir>/runs.parquet")``.
+Values are stored as they were read (float64; ints as ints, but as floats in a column where another run has a
+float), so the report's numbers do not depend on which of the two it was computed from (tests/test_evidence_doc.py
+checks every committed report). `datasets` reads the table: ``Dataset.from_parquet("<dir>/runs.parquet")``.
 
 A row is a run's record flattened: a nested dict's keys are joined with ``::``; a list of ``[step, value]`` pairs
 (a curve) becomes one list column per place, ``<name>::#0`` and ``<name>::#1``, so that steps stay ints.

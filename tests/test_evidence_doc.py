@@ -143,3 +143,22 @@ def test_every_report_reproduces_from_its_runs_table(tmp_path, monkeypatch, caps
     runs = Dataset.from_parquet(str(REPO / "benchmarks" / "results" / "mismatch_study" / "runs.parquet"),
                                 cache_dir=str(tmp_path / "cache"))
     assert runs.num_rows == 715 and "sampler_copy_prob_area" in runs.column_names
+
+
+def test_runs_table_round_trip(tmp_path):
+    """`run_table` gives back each run's record as written: nested dicts, curves with int steps, None inside a
+    series, ints as ints (as floats where another run has a float there); a column only another run has is absent,
+    not None. The runs' own logs replace their rows and add new ones; the others stay."""
+    import run_table
+
+    a = dict(run="x/seed0", seed=0, score=0.25, first={"w": 1.0, "m": None},
+             curves={"p": [[0, 0.5], [10, 0.75]]}, series={"reward": [0.5, None, 1.0]}, empty=[])
+    b = dict(run="x/seed1", seed=1, score=1, only_here="yes")
+    run_table.write(str(tmp_path), [a, b])
+    got = run_table.read(str(tmp_path))
+    assert got[0] == {k: v for k, v in a.items() if k != "first"} | {"first": {"w": 1.0}}  # None: absent
+    assert got[1] == b and type(got[1]["seed"]) is int and type(got[0]["curves"]["p"][1][0]) is int
+    assert type(got[1]["score"]) is float  # 1 beside run a's 0.25: one float64 column
+    merged = run_table.load(str(tmp_path), [dict(b, score=2), dict(run="x/seed10", seed=10, score=3)])
+    assert [r["run"] for r in merged] == ["x/seed0", "x/seed1", "x/seed10"] and merged[1]["score"] == 2
+    assert run_table.read(str(tmp_path)) == merged
