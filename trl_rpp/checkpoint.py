@@ -192,8 +192,8 @@ def load_generation_buffer(folder: str, rank: int, required: bool, map_location=
     except Exception as err:
         damage = _load_damage(path, err)
         if damage is None:  # a device error, out of memory, an I/O error: the file may be intact, so not "delete it"
-            _add_note(err, f"(while loading {path}, the generation buffer of the checkpoint {folder}: the file reads "
-                           "as an intact zip, so it is not reported damaged)")
+            _add_note(err, f"(while loading {path}, the generation buffer of the checkpoint {folder}; the file itself "
+                           "shows no damage, so the checkpoint is not reported damaged)")
             raise
         raise _damaged(folder, path, damage) from err
     if not (isinstance(state, dict) and "buffer" in state and "step" in state):
