@@ -189,19 +189,20 @@ def test_the_server_url_checked_at_construction_is_the_one_trls_client_uses():
 
 
 def test_the_vllm_branch_that_trainer_utils_copies_is_unchanged():
-    """`generate_vllm_with_topk` is GRPO's vLLM branch of `_generate_single_turn` keeping the top-k lists: a keyword
-    TRL adds to its `generate` call (a new multimodal input, say) must be added there too, not silently dropped."""
+    """`vllm_generate` (under `generate_vllm_with_topk`) is GRPO's vLLM branch of `_generate_single_turn` up to the
+    engine's answer: a keyword TRL adds to its `generate` call (a new multimodal input, say) must be added there too,
+    not silently dropped."""
     from trl import GRPOTrainer
 
-    from trl_rpp.trainer_utils import generate_vllm_with_topk
+    from trl_rpp.trainer_utils import vllm_generate
 
     [theirs] = _calls_of(GRPOTrainer._generate_single_turn, "self.vllm_generation.generate")
-    [ours] = _calls_of(generate_vllm_with_topk, "trainer.vllm_generation.generate")
+    [ours] = _calls_of(vllm_generate, "trainer.vllm_generation.generate")
     assert sorted(k.arg for k in theirs.keywords) == sorted(k.arg for k in ours.keywords) == [
         "images", "num_generations", "profiler", "prompts"]  # fmt: skip
     assert not theirs.args and not ours.args
     [sync] = _calls_of(GRPOTrainer._generate_single_turn, "self.vllm_generation.sync_weights")
-    assert _calls_of(generate_vllm_with_topk, "trainer.vllm_generation.sync_weights")
+    assert _calls_of(vllm_generate, "trainer.vllm_generation.sync_weights")
 
 
 def test_tool_suffix_reads_only_what_the_tool_model_stand_in_has():

@@ -287,9 +287,9 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         parent = super()._generate_single_turn
         if self.use_vllm:  # a failure is settled across processes after `_generate` (trl_rpp.engine_faults)
             if self._rpp_width:  # the kept set or top-k lists, and the sampled token's log-prob selected by id
-                generate = lambda: generate_vllm_with_topk(self, prompt_ids, images, num_generations, self._rpp_width)  # noqa: E731
-            else:
-                generate = lambda: parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)  # noqa: E731
+                return generate_vllm_with_topk(self, prompt_ids, images, num_generations, self._rpp_width,
+                                               self._rpp_engine_faults)  # only the engine's calls are guarded
+            generate = lambda: parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)  # noqa: E731
             return self._rpp_engine_faults.guard(self, generate, prompt_ids)
         if not self._rpp_width:
             return parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)

@@ -127,23 +127,38 @@ def check_score_centering_support(trainer) -> None:
     check_exact_sampling(merged, trainer.temperature, where="the model's generation config: ", replayed=replayed)
 
 
-def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations, k):
+def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations, k, faults):
     """GRPO's vLLM branch of `_generate_single_turn`, keeping the `k`-wide log-prob lists (appended to
     ``trainer._rpp_captures``) and selecting the sampled token's log-prob by id. Returns ``(completion_ids,
-    sampled_logps)`` as GRPO's branch does."""
+    sampled_logps)`` as GRPO's branch does.
+
+    Only the engine's calls (`vllm_generate`) run under `faults` (`EngineFaults.call`): when they raise, one EOS per
+    prompt comes back and the run stops at `EngineFaults.settle`. An error in parsing the engine's answer is ours,
+    not the engine's, and propagates as itself."""
+    from .engine_faults import empty_completions
+
+    answer = faults.call(lambda: vllm_generate(trainer, prompt_ids, images, num_generations))
+    if answer is None:
+        return empty_completions(trainer, prompt_ids)
+    _, completion_ids, logprobs, token_ids = answer
+    sampled, recorded = parse_vllm_topk(completion_ids, logprobs, token_ids, k)
+    trainer._rpp_captures.append(recorded)
+    return completion_ids, sampled
+
+
+def vllm_generate(trainer, prompt_ids, images, num_generations):
+    """GRPO's vLLM branch of `_generate_single_turn` up to the engine's answer: the weight sync when the step
+    changed, then `VLLMGeneration.generate`'s ``(prompt_ids, completion_ids, logprobs, logprob_token_ids)``."""
     from trl.extras.profiling import profiling_context
 
     if trainer.state.global_step != trainer._last_loaded_step:
         with profiling_context(trainer, "sync_weights"):
             trainer.vllm_generation.sync_weights()
         trainer._last_loaded_step = trainer.state.global_step
-    _, completion_ids, logprobs, token_ids = trainer.vllm_generation.generate(
+    return trainer.vllm_generation.generate(
         prompts=prompt_ids, images=images, num_generations=num_generations,
         profiler=profiling_context(trainer, "vLLM.generate"),
     )
-    sampled, recorded = parse_vllm_topk(completion_ids, logprobs, token_ids, k)
-    trainer._rpp_captures.append(recorded)
-    return completion_ids, sampled
 
 
 def sampler_topk_of_generation(trainer, generated, k):
