@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
@@ -31,7 +32,7 @@ def rehearsal(tmp_path_factory):
 def test_every_part_runs_and_the_environment_is_recorded(rehearsal):
     report, md_text, stdout, wall = rehearsal
     parts = report["parts"]
-    assert set(parts) == {"build_model", "numerics", "score_centering", "sampling", "step_time"}
+    assert set(parts) == {"build_model", "numerics", "score_centering", "sampling", "lm_head", "step_time"}
     assert all(p["status"] == "ok" and p["wall_s"] > 0 for p in parts.values()), parts
     assert report["ok"] is True and 0 < report["wall_s"] <= wall
     env = report["environment"]
@@ -81,6 +82,69 @@ def test_sampling_part_times_the_four_arms_against_no_correction(rehearsal):
         assert f"| {name} | {a['step_time_s']:.4f} | {a['time_ratio']:.3f} |" in rehearsal[1]
 
 
+def check_lm_head(lm, md_text, positions):
+    """Part lm_head's result: every arm of benchmarks/lm_head_memory.py at each N of `positions`, as ratios to the
+    fused head, and the targets judged at the largest N of the part's sizes (n/a where it did not run)."""
+    assert lm["top_k"] == 20 and lm["head_k"] == 32 and lm["batch"] == 2 and (lm["vocab"], lm["hidden"]) == (512, 16)
+    assert list(lm["rows"]) == [str(n) for n in positions], lm["rows"]
+    assert lm["not_run"] == [n for n in lm["positions"] if n not in positions]
+    for n, row in lm["rows"].items():
+        assert list(row) == ["fused", "replay", "score_centering", "both"], row
+        for arm, a in row.items():
+            assert a["step_time_s"] > 0 and a["step_peak_mib"] >= 0 and a["rounds"] >= 1, (n, arm, a)
+            assert a["time_ratio"] == pytest.approx(a["step_time_s"] / row["fused"]["step_time_s"])
+            assert a["memory_ratio"] == pytest.approx(a["step_peak_mib"] / max(row["fused"]["step_peak_mib"], 1e-9))
+            assert f"| {a['step_peak_mib']:.0f} MiB ({a['memory_ratio']:.3f}), {a['step_time_s']:.4f} s" in md_text
+    at = max(lm["positions"])
+    want = {("replay", "memory"): 0.2, ("replay", "time"): 0.2, ("score_centering", "memory"): 1.10}
+    assert {(t["arm"], t["measure"]): t["target"] for t in lm["targets"]} == want
+    for t in lm["targets"]:
+        ratio = lm["rows"][str(at)][t["arm"]][f"{t['measure']}_ratio"] if at in positions else None
+        assert t["positions"] == at and t["ratio"] == ratio, t
+        assert t["pass"] == (None if ratio is None else ratio <= t["target"]), t
+        shown, verdict = ("n/a", "n/a") if ratio is None else (f"{ratio:.3f}", "yes" if t["pass"] else "no")
+        assert f"| {t['arm']} {t['measure']} at N = {at} | {shown} | <= {t['target']} | {verdict} |" in md_text
+
+
+@pytest.mark.slow
+def test_lm_head_part_measures_the_four_heads_against_the_fused_one(rehearsal):
+    check_lm_head(rehearsal[0]["parts"]["lm_head"]["result"], rehearsal[1], positions=[64, 128])
+
+
+def test_lm_head_part_out_of_budget_runs_the_first_size_and_names_the_others(tmp_path):
+    """Called in this process with its deadline already past: N = 64 runs one round of every arm on CPU (bf16, the
+    arms of benchmarks/lm_head_memory.py), N = 128 is reported not run, and its targets n/a."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as gpu_check's CPU children run: more threads only contend at this size
+    try:
+        lm = gpu_check.part_lm_head(gpu_check.argparse.Namespace(device="cpu", tiny=True), time.monotonic())
+    finally:
+        torch.set_num_threads(threads)
+    assert all(a["rounds"] == 1 for a in lm["rows"]["64"].values()), lm["rows"]
+    report = {"tiny": True, "wall_s": 1.0, "environment": gpu_check.environment("cpu"),
+              "parts": {"lm_head": {"status": "ok", "wall_s": 1.0, "budget_s": 60, "result": lm}}}
+    md_text = gpu_check.markdown(report)
+    check_lm_head(lm, md_text, positions=[64])
+    assert "Not run (part budget spent): N = 128." in md_text, md_text
+
+
+def test_parts_option_selects_parts_and_rejects_unknown_or_repeated_names(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check
+
+    assert gpu_check.parse_args([]).parts == ["numerics", "score_centering", "sampling", "lm_head", "step_time"]
+    assert gpu_check.parse_args(["--parts", "lm_head,numerics"]).parts == ["lm_head", "numerics"]
+    for bad in ("lm_head,heads", "lm_head,lm_head", ""):
+        with pytest.raises(SystemExit) as exit_:
+            gpu_check.parse_args(["--parts", bad])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--parts {bad!r}: accepted: one or more of numerics, score_centering, sampling, lm_head, step_time" in err
+
+
 @pytest.mark.slow
 def test_step_time_part_times_every_arm_at_fixed_length(rehearsal):
     st = rehearsal[0]["parts"]["step_time"]["result"]
@@ -108,6 +172,7 @@ def test_a_part_over_its_budget_is_killed_and_reported(tmp_path):
               "parts": {"numerics": {"status": status, "wall_s": wall, "budget_s": 0.5, "result": None, "log": ""},
                         "score_centering": {"status": "ok", "wall_s": 1.0, "result": None},
                         "sampling": {"status": "ok", "wall_s": 1.0, "result": None},
+                        "lm_head": {"status": "ok", "wall_s": 1.0, "result": None},
                         "step_time": {"status": "ok", "wall_s": 1.0, "result": None}}}
     md_text = gpu_check.markdown(report)
     assert "| numerics | timed_out |" in md_text and "## numerics: timed_out" in md_text
