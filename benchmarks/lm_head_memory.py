@@ -44,6 +44,8 @@ def build_arm(arm, vocab, positions, hidden, device="cpu", dtype=None, seed=0):
     `device` in `dtype` (None: float32), with every parameter's gradient allocated (zeros), so that a step allocates
     none. Returns `(model, step)`: `step()` runs the arm's forward and returns its log-probs, `[B, T, n]` or `[B, T]`;
     their sum, backpropagated, is the measured step. Shared with benchmarks/gpu_check.py (part lm_head)."""
+    if arm not in ARMS:
+        raise ValueError(f"arm={arm!r} is not an arm of benchmarks/lm_head_memory.py; accepted: {', '.join(ARMS)}")
     import torch
     import trl.trainer.utils  # noqa: F401  (loaded, as in a trainer, before the measured step: lm_head imports it)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -78,14 +80,12 @@ def build_arm(arm, vocab, positions, hidden, device="cpu", dtype=None, seed=0):
 
         def step():
             return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True).log_probs
-    elif arm in ARMS:
+    else:
         install_head_reader(model)
         read = dict(replay=(ids[..., :1], support), score_centering=(ids, None), both=(ids, support))[arm]
 
         def step():
             return head_logps(model, input_ids, attention_mask, read[0], read[1], 0.7)[0]
-    else:
-        raise ValueError(f"arm={arm!r} is not an arm of benchmarks/lm_head_memory.py; accepted: {', '.join(ARMS)}")
     return model, step
 
 
