@@ -459,11 +459,12 @@ def test_a_lora_adapter_on_the_head_is_trained_exactly_on_every_path(tmp_path, t
 
 def test_lm_head_adapters_the_trainer_cannot_train_exactly_are_refused_at_construction(tmp_path, tiny_model,
                                                                                      monkeypatch):
-    """cast_lm_head_to_fp32 with a LoRA head (before any model is loaded, and with a PeftModel), DoRA on the head
+    """cast_lm_head_to_fp32 with a LoRA head (before any model is loaded, and with a PeftModel), vLLM with a LoRA head
+    tied to the input embeddings (before any engine is built), DoRA on the head
     (naming use_dora), an adapter type other than LoRA on the head (TRL's own refusal, still in force), and a TRL whose
     refusal is no longer the one `trl_lm_head_lora_allowed` was written against (naming the TRL version)."""
     from peft import IA3Config, LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from trl.trainer import grpo_trainer
 
     from trainer_helpers import length_reward, make_args
@@ -481,6 +482,14 @@ def test_lm_head_adapters_the_trainer_cannot_train_exactly_are_refused_at_constr
         build_trainer(str(tmp_path / "no-such-model"), lora, cast_lm_head_to_fp32=True)
     with pytest.raises(ValueError, match=cast):
         build_trainer(get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), lora), cast_lm_head_to_fp32=True)
+    tied = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model, tie_word_embeddings=True))
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    tied.save_pretrained(tmp_path / "tied")
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path / "tied")
+    refused_vllm = r"^use_vllm=True is not supported with a LoRA adapter on a head tied to the input embeddings"
+    for model in (str(tmp_path / "tied"), get_peft_model(tied, lora)):
+        with pytest.raises(ValueError, match=refused_vllm):
+            build_trainer(model, lora, use_vllm=True, vllm_mode="colocate")
     with pytest.raises(ValueError, match=r"^model type 'llama' is not supported with a LoRA adapter on its head set "
                                          r"with use_dora"):
         build_trainer(tiny_model, LoraConfig(r=4, target_modules=["lm_head"], use_dora=True))

@@ -187,6 +187,17 @@ TRL_LM_HEAD_REFUSAL = "isinstance(model.get_output_embeddings(), BaseTunerLayer)
 TRL_CAST_REFUSAL = "isinstance(target_model.lm_head, BaseTunerLayer)"
 
 
+def _tied_head(model) -> bool:
+    """Whether `model` (a path or a model, PEFT-wrapped or not) ties its head to its input embeddings."""
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model)
+    else:
+        config = model.config
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+
+
 @contextmanager
 def trl_lm_head_lora_allowed(model, args, peft_config):
     """Around `GRPOTrainer.__init__`: let a LoRA adapter on the LM head through TRL's refusal, which `RPPTrainer`
@@ -202,7 +213,8 @@ def trl_lm_head_lora_allowed(model, args, peft_config):
     only for a LoRA `peft_config` or a PEFT model with a LoRA head (`peft_config` may target a head named otherwise).
 
     `cast_lm_head_to_fp32=True` with a LoRA head stays refused, here before any model is loaded (`ValueError` naming
-    the field), and nothing is patched then: TRL's own checks run unchanged."""
+    the field), and nothing is patched then: TRL's own checks run unchanged. So is `use_vllm=True` with a LoRA head
+    tied to the input embeddings (TRL's sync merges the adapter into the shared weight)."""
     from .replay import lora_head
 
     try:
@@ -218,6 +230,12 @@ def trl_lm_head_lora_allowed(model, args, peft_config):
     else:
         targeted = isinstance(peft_config, LoraConfig) and bool(peft_config.target_modules) and bool(
             check_target_module_exists(peft_config, "lm_head"))
+    if targeted and args.use_vllm and _tied_head(model):
+        # TRL's weight sync merges the adapter into the head's weight, which a tied model shares with its input
+        # embeddings: the engine would sample from embeddings the trainer's forward does not use.
+        raise ValueError("use_vllm=True is not supported with a LoRA adapter on a head tied to the input embeddings "
+                         "(tie_word_embeddings=True): merged for the engine, the adapter would change the embeddings "
+                         "too. Remove lm_head from the adapter's target_modules, or set use_vllm=False.")
     if args.cast_lm_head_to_fp32:
         if targeted:
             raise ValueError("cast_lm_head_to_fp32=True is not supported with a LoRA adapter on lm_head (TRL casts the "
