@@ -31,7 +31,8 @@ for each seed so that machine load hits them alike (`--jobs 2` runs two at once,
 run that finished left `summary.json` in its directory and is skipped when the sweep is started again, so a long
 sweep can run in pieces. Raw per-step metrics (the trainer's log history) are in `metrics.jsonl` next to it.
 `--report` writes the figures, the 16-step tables' `report.json`/`report.md` and the studies' `studies.json`/
-`studies.md` that docs/evidence.md is written from.
+`studies.md` that docs/evidence.md is written from, and `<out>/runs.parquet`, what they read of every run
+(`run_table`): where the runs' own files are absent, as in the repository, the report reads that table.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ import resource
 import shutil
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run_table, when imported from elsewhere
+import run_table  # noqa: E402
 
 ARMS = ("rpp", "rpp_baseline", "grpo", "grpo_noscale")
 # Second table: REINFORCE++-baseline under an induced sampler mismatch, with each correction (see `mismatch_trainer`).
@@ -418,15 +422,40 @@ def unpaired_interval(a, b):
     return w["diff"], w["se"], w["half"]
 
 
-def _load_runs(opts, arms):
+# Every per-step key the report reads from a run's log history (tables and figures), kept in the table.
+HISTORY_KEYS = ("reward", "advantages/std", "frac_reward_zero_std", "grad_norm", "ref_kl/k1_mean", "kl_loss",
+                "completions/mean_length", "entropy", "mismatch/abs_log_ratio_mean", "mismatch/seq_log_ratio_mean",
+                "mismatch/is_masked_fraction", "mismatch/is_truncated_fraction", "score_centering/coeff_l1",
+                "reward_noise/tied_group_adv_share", "reward_noise/clean_reward")
+
+
+def read_run(where):
+    """What the report reads of one run (kept in the results' table, `run_table`): its summary.json but the
+    settings, and of its training steps' log rows (metrics.jsonl) the `HISTORY_KEYS`, one list per key."""
+    summary = json.load(open(os.path.join(where, "summary.json")))
+    history = [json.loads(line) for line in open(os.path.join(where, "metrics.jsonl"))]
+    history = [h for h in history if "reward" in h]
+    return dict({k: v for k, v in summary.items() if k != "settings"}, steps=len(history), history={
+        key: [h.get(key) for h in history] for key in HISTORY_KEYS if any(h.get(key) is not None for h in history)})
+
+
+def load_study(root):
+    """Every run under `root` (the 16-step tables' `<arm>/seed<k>`, the studies' `<study>/<condition>/<arm>/seed<k>`):
+    from the runs' own files when there are any (also written to `<root>/runs.parquet`), else from that table."""
+    return run_table.Runs(run_table.load(root, run_table.raw_runs(root, read_run, depths=(2, 4))))
+
+
+def _load_runs(study, where, arms, seeds):
+    """`{(arm, seed): (summary, the training steps' log rows)}` of the runs in directory `where` (parts under the
+    study's root), as `run_one` wrote them but with only the `HISTORY_KEYS` in each row."""
     runs = {}
     for arm in arms:
-        for seed in opts.seeds:
-            d = os.path.join(opts.out, arm, f"seed{seed}")
-            if os.path.exists(os.path.join(d, "summary.json")):
-                summary = json.load(open(os.path.join(d, "summary.json")))
-                history = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
-                runs[(arm, seed)] = (summary, [h for h in history if "reward" in h])
+        for seed in seeds:
+            record = study.get(*where, arm, f"seed{seed}")
+            if record is not None:
+                history = record.get("history", {})
+                rows = [{k: v[i] for k, v in history.items() if v[i] is not None} for i in range(record["steps"])]
+                runs[(arm, seed)] = ({k: v for k, v in record.items() if k not in ("run", "steps", "history")}, rows)
     return runs
 
 
@@ -589,8 +618,9 @@ def _markdown(out):
     return "\n".join(lines)
 
 
-def report_main(opts):
-    runs = _load_runs(opts, ARMS + MISMATCH_ARMS)
+def report_main(opts, study=None):
+    study = load_study(opts.out) if study is None else study
+    runs = _load_runs(study, (), ARMS + MISMATCH_ARMS, opts.seeds)
     arms, paired = _aggregate(runs, ARMS, opts.seeds, "grpo", ())
     # The main table's rpp_baseline is the same run without the bias: shown, on the same seeds, as the reference.
     mm_seeds = [s for s in opts.seeds if ("mismatch_none", s) in runs]
@@ -609,6 +639,8 @@ def report_main(opts):
     with open(os.path.join(opts.out, "report.md"), "w") as f:
         f.write(_markdown(out))
     print(_markdown(out))
+    if getattr(opts, "no_figures", False):
+        return
     if arms:
         _plot(runs, ARMS, opts.seeds, [
             ("reward", "training reward"), ("completions/mean_length", "completion length"),
@@ -622,10 +654,6 @@ def report_main(opts):
             ("kl_loss", "k2 KL loss to reference"), ("grad_norm", "gradient norm"),
             ("completions/mean_length", "completion length"), ("mismatch/is_masked_fraction", "TIS: masked sequences"),
         ], os.path.join(opts.out, "mismatch_curves.png"), f"sampler = trainer + fixed logit bias (sigma={opts.mismatch_sigma})")
-
-
-def _load(out, arms, seeds):
-    return _load_runs(argparse.Namespace(out=out, seeds=seeds), arms)
 
 
 def _paired(runs, arm, control, seeds, key):
@@ -695,10 +723,10 @@ def _cost_line(lines, studies):
     lines.append("")
 
 
-def report_noise(opts, model):
+def report_noise(opts, model, study):
     """Study 1 (each condition) and study 3 (out-of-distribution prompts, at sigma = 0) for one model."""
-    root = os.path.join(opts.root, f"noise-{model}")
-    if not os.path.isdir(root):
+    root = (f"noise-{model}",)
+    if not study.has(*root):
         return None
     tiny = model == "tiny"
     metrics = ("heldout_prob", "heldout", "heldout_ood_prob", "heldout_ood") if tiny else ("heldout", "heldout_ood")
@@ -706,15 +734,15 @@ def report_noise(opts, model):
     keys = ("reward_noise/tied_group_adv_share", "reward_noise/clean_reward", "frac_reward_zero_std", "grad_norm")
     out, runs_by = {}, {}
     for name in NOISE_CONDITIONS:
-        where = os.path.join(root, name)
-        if name == "sigma0" and not tiny and not os.path.isdir(where):
-            where = opts.root  # SmolLM2 at sigma = 0: the 16-step table's runs, the same set-up without noise
-        if os.path.isdir(where):
-            runs_by[name] = _load(where, NOISE_ARMS, opts.seeds)
+        where = root + (name,)
+        if name == "sigma0" and not tiny and not study.has(*where):
+            where = ()  # SmolLM2 at sigma = 0: the 16-step table's runs, the same set-up without noise
+        if study.has(*where):
+            runs_by[name] = _load_runs(study, where, NOISE_ARMS, opts.seeds)
             rows = _study_rows(runs_by[name], NOISE_ARMS, opts.seeds, "rpp_baseline", metrics, keys)
             if rows:
                 out[name] = rows
-    from_main = "sigma0" in out and not tiny and not os.path.isdir(os.path.join(root, "sigma0"))
+    from_main = "sigma0" in out and not tiny and not study.has(*root, "sigma0")
     lines = [f"### Study 1: reward noise and shaping ({model})", "",
              f"Held-out {LABELS[primary]} after training, "
              "mean ± std [95% t interval] over seeds; differences: arm minus `rpp_baseline`, unpaired (Welch: "
@@ -742,7 +770,8 @@ def report_noise(opts, model):
             cols.append(("heldout_ood", "after", "OOD greedy accuracy after"))
         _study_table(lines, out["sigma0"], "rpp_baseline", cols, [])
     _cost_line(lines, [rows for name, rows in out.items() if not (from_main and name == "sigma0")])
-    _plot_noise(runs_by, out, primary, ood, os.path.join(opts.figures, f"evidence_noise_{model}.png"), model)
+    if not getattr(opts, "no_figures", False):
+        _plot_noise(runs_by, out, primary, ood, os.path.join(opts.figures, f"evidence_noise_{model}.png"), model)
     return dict(conditions=out, markdown="\n".join(lines))
 
 
@@ -799,16 +828,16 @@ def _plot_noise(runs_by, out, primary, ood, path, model):
     plt.close(fig)
 
 
-def report_drift(opts):
+def report_drift(opts, study):
     """Study 2: the bias sweep (uncorrected against no bias) and, at each bias with more arms, every correction."""
-    root = os.path.join(opts.root, "drift-tiny")
-    if not os.path.isdir(root):
+    root = ("drift-tiny",)
+    if not study.has(*root):
         return None
-    sigmas = sorted(float(d[4:]) for d in os.listdir(root) if d.startswith("bias"))
+    sigmas = sorted(float(d[4:]) for d in study.children(*root) if d.startswith("bias"))
     metrics = ("heldout_prob", "heldout", "heldout_ood_prob")
     keys = ("mismatch/abs_log_ratio_mean", "score_centering/coeff_l1", "mismatch/is_masked_fraction",
             "mismatch/is_truncated_fraction", "entropy", "kl_loss", "reward")
-    runs_by = {sg: _load(os.path.join(root, f"bias{sg:g}"), DRIFT_ARMS, opts.seeds) for sg in sigmas}
+    runs_by = {sg: _load_runs(study, root + (f"bias{sg:g}",), DRIFT_ARMS, opts.seeds) for sg in sigmas}
     nobias = runs_by.get(0.0, {})
     lines = ["### Study 2: sampler drift over a long horizon (tiny model)", "",
              "Held-out p(first token = answer) under the trainer (exact, temperature 1) after training, mean ± std "
@@ -854,7 +883,8 @@ def report_drift(opts):
              ("entropy", "entropy"), ("kl_loss", "k2 KL loss")])
     _cost_line(lines, [{f"s{k}": v for k, v in sweep_rows.items()}] + [
         {a: r for a, r in rows.items() if a != "mismatch_none"} for rows in tables.values()])
-    _plot_drift(runs_by, sweep_rows, tables, os.path.join(opts.figures, "evidence_drift.png"))
+    if not getattr(opts, "no_figures", False):
+        _plot_drift(runs_by, sweep_rows, tables, os.path.join(opts.figures, "evidence_drift.png"))
     return dict(sweep={f"{k:g}": v for k, v in sweep_rows.items()}, tables={f"{k:g}": v for k, v in tables.items()},
                 markdown="\n".join(lines))
 
@@ -896,13 +926,14 @@ def _plot_drift(runs_by, sweep_rows, tables, path):
 def report(opts):
     """Every table and figure: the main 16-step tables under `--root`, then each study found under it. Writes
     `<root>/studies.json` and `<root>/studies.md` (what docs/evidence.md copies) and the figures to `--figures`."""
-    report_main(opts)
+    study = load_study(opts.root)
+    report_main(opts, study)
     os.makedirs(opts.figures, exist_ok=True)
     for name, target in (("curves.png", "evidence_curves.png"), ("mismatch_curves.png", "evidence_mismatch_curves.png")):
-        if os.path.exists(os.path.join(opts.root, name)):
+        if os.path.exists(os.path.join(opts.root, name)) and not getattr(opts, "no_figures", False):
             shutil.copyfile(os.path.join(opts.root, name), os.path.join(opts.figures, target))
-    studies = {f"noise-{m}": report_noise(opts, m) for m in ("tiny", "smollm2")}
-    studies["drift-tiny"] = report_drift(opts)
+    studies = {f"noise-{m}": report_noise(opts, m, study) for m in ("tiny", "smollm2")}
+    studies["drift-tiny"] = report_drift(opts, study)
     studies = {k: v for k, v in studies.items() if v is not None}
     markdown = "\n".join(v.pop("markdown") for v in studies.values())
     with open(os.path.join(opts.root, "studies.json"), "w") as f:
@@ -950,6 +981,7 @@ def main():
     ap.add_argument("--run", default=None, help="internal: run one arm in this process")
     ap.add_argument("--seed", type=int, default=None, help="internal: with --run")
     ap.add_argument("--report", action="store_true", help="only aggregate finished runs into figures and reports")
+    ap.add_argument("--no_figures", action="store_true", help="--report: the tables only, without drawing the figures")
     opts = ap.parse_args()
     if opts.study == "drift" and not opts.tiny:
         opts.tiny = True  # hundreds of steps fit only on the tiny model

@@ -1,6 +1,8 @@
-"""One check of a GPU machine: numerics, score centering's cost at Qwen3's vocabulary, and step time vs GRPO.
+"""One check of a GPU machine: numerics, score centering's, replay's and the log-prob heads' cost at Qwen3's
+vocabulary, and step time vs GRPO.
 
-    python benchmarks/gpu_check.py                           # on cuda: at most 8 minutes on one H200
+    python benchmarks/gpu_check.py                           # on cuda: at most 9 minutes on one H200
+    python benchmarks/gpu_check.py --parts lm_head           # only the named parts
     python benchmarks/gpu_check.py --device cpu --tiny       # the CPU rehearsal (tests/test_gpu_check.py)
 
 Writes `report.json` and `report.md` under `--out` (default `outputs/gpu_check`) and prints the markdown. Each part
@@ -30,13 +32,21 @@ sampling: the same model and loss step, four arms at `top_k=20`: no correction (
     GRPO's fused log-prob head), the kept set replayed, score centering (no truncation, k = 32), and both (the head
     the whole kept set). Reported: each arm's median step time and step peak, as ratios to no correction; target
     <= 1.03x the time (pass/fail, not the exit code). The capture at generation is not part of this step.
+lm_head: the arms of benchmarks/lm_head_memory.py (its `build_arm`) on `--device`: TRL's fused head, replay
+    (`top_k` = 20), score centering (k = 32, full softmax in tiles), both; one forward + backward of the head's
+    log-probs through a 1-layer Llama of hidden size 128 in bf16, V = 151,936, N = 2,048 to 16,384 positions
+    (`--tiny`: V = 512, hidden 16, N = 64 and 128). Per arm and N, after one warm-up step, alternating rounds: the
+    median step time (synchronized) and the step's peak above what was allocated before it (`_Memory`; parameter
+    gradients are allocated at build). Targets at the largest N, against the fused head: replay <= 0.2x in memory
+    and in time, score centering's peak <= 1.10x; reported as pass/fail, they do not change the exit code.
 step_time: `RPPTrainer` (reinforce_plus_plus and reinforce_plus_plus_baseline) against `GRPOTrainer(beta=0.04)`
     on that same model, bf16, transformers generation of a fixed length (`min_new_tokens` = max_completion_length,
     so no early EOS), arms alternating in one process as in benchmarks/step_time.py; the first step of each round
     is warm-up. Reported: median step time per arm, ratio to GRPO, mean completion length.
 environment: versions, the device's name, each part's wall time.
 
-Exit code: 0 when every part ran and every numerics case is within its tolerance, else 1.
+Exit code: 0 when every part run (all, or those `--parts` names) finished and every numerics case is within its
+tolerance, else 1.
 """
 
 from __future__ import annotations
@@ -66,13 +76,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-# Seconds per part (child process); their sum plus the model build stays under 8 minutes on one H200.
-BUDGETS_S = {"numerics": 90, "score_centering": 120, "sampling": 60, "step_time": 180}
+# Seconds per part (child process); their sum plus the model build stays under 9 minutes on one H200.
+BUDGETS_S = {"numerics": 90, "score_centering": 120, "sampling": 60, "lm_head": 60, "step_time": 180}
 ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 TOL_F32 = {"advantages": dict(rtol=1e-5, atol=1e-5), "gradient": dict(rtol=1e-4, atol=1e-6)}
 TOL_BF16_GRAD_REL_L2 = 2.0**-3
 MEMORY_TARGET, TIME_TARGET = 1.10, 1.05
 SAMPLING_TOP_K, SAMPLING_TIME_TARGET = 20, 1.03  # the truncation of the sampling part, and its target vs no correction
+# Part lm_head, at its largest N, against the fused head: replay's memory and time, score centering's memory.
+LM_HEAD_TARGETS = {("replay", "memory"): 0.2, ("replay", "time"): 0.2, ("score_centering", "memory"): 1.10}
 
 # Qwen3-0.6B's shape; `--tiny` shrinks it (CPU bf16 matmuls are slow, a vocabulary-sized head most of all).
 QWEN3_06B = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -80,8 +92,10 @@ QWEN3_06B = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, n
 QWEN3_TINY = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16)
 SIZES = {  # score centering: batch x completion tokens; step time: batch (= prompts x 8) x completion tokens
-    False: dict(sc_batch=8, sc_length=2048, st_batch=32, st_length=128, st_rounds=3, st_steps=4, sc_rounds=5),
-    True: dict(sc_batch=2, sc_length=32, st_batch=8, st_length=8, st_rounds=2, st_steps=2, sc_rounds=2),
+    False: dict(sc_batch=8, sc_length=2048, st_batch=32, st_length=128, st_rounds=3, st_steps=4, sc_rounds=5,
+                lm_vocab=151_936, lm_hidden=128, lm_positions=(2048, 4096, 8192, 16384), lm_rounds=5),
+    True: dict(sc_batch=2, sc_length=32, st_batch=8, st_length=8, st_rounds=2, st_steps=2, sc_rounds=2,
+               lm_vocab=512, lm_hidden=16, lm_positions=(64, 128), lm_rounds=2),
 }
 
 
@@ -385,6 +399,58 @@ def part_sampling(opts, deadline):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Part lm_head
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def part_lm_head(opts, deadline):
+    from lm_head_memory import ARMS, BATCH, HEAD_K, TOP_K, build_arm
+
+    s = SIZES[opts.tiny]
+    memory = _Memory(opts.device)
+    rows = {}
+    for N in s["lm_positions"]:
+        if rows and time.monotonic() > deadline:  # the larger N are not run; the report names them
+            break
+        steps = {arm: build_arm(arm, s["lm_vocab"], N, s["lm_hidden"], opts.device, torch.bfloat16)[1] for arm in ARMS}
+        times, peaks = {arm: [] for arm in ARMS}, {arm: [] for arm in ARMS}
+        for arm in ARMS:  # warm-up: kernels and workspaces, not measured
+            steps[arm]().sum().backward()
+        start = time.monotonic()
+        for r in range(s["lm_rounds"]):
+            for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
+                sync(opts.device)
+                memory.start()
+                t = time.perf_counter()
+                steps[arm]().sum().backward()
+                sync(opts.device)
+                times[arm].append(time.perf_counter() - t)
+                peaks[arm].append(memory.stop()[0])
+            if time.monotonic() + (time.monotonic() - start) / (r + 1) > deadline:
+                break
+        med, peak = {a: statistics.median(times[a]) for a in ARMS}, {a: max(peaks[a]) for a in ARMS}
+        rows[N] = {arm: {"step_time_s": med[arm], "step_peak_mib": peak[arm], "rounds": len(times[arm]),
+                         "time_ratio": med[arm] / med["fused"], "memory_ratio": peak[arm] / max(peak["fused"], 1e-9)}
+                   for arm in ARMS}
+        del steps
+        gc.collect()
+        if opts.device == "cuda":
+            torch.cuda.empty_cache()
+    at = max(s["lm_positions"])
+    targets = []
+    for (arm, what), target in LM_HEAD_TARGETS.items():
+        ratio = rows[at][arm][f"{what}_ratio"] if at in rows else None
+        targets.append({"arm": arm, "measure": what, "positions": at, "ratio": ratio, "target": target,
+                        "pass": None if ratio is None else ratio <= target})
+    return {
+        "vocab": s["lm_vocab"], "hidden": s["lm_hidden"], "batch": BATCH, "top_k": TOP_K, "head_k": HEAD_K,
+        "positions": list(s["lm_positions"]), "not_run": [N for N in s["lm_positions"] if N not in rows],
+        "rows": {str(N): r for N, r in rows.items()}, "targets": targets,
+        "memory_measure": "torch.cuda.max_memory_allocated" if opts.device == "cuda" else "peak RSS (VmHWM)",
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Part step_time
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -457,7 +523,8 @@ def environment(device):
 
 
 PARTS = {"numerics": part_numerics, "score_centering": part_score_centering, "sampling": part_sampling,
-         "step_time": part_step_time}
+         "lm_head": part_lm_head, "step_time": part_step_time}
+QWEN3_PARTS = ("score_centering", "sampling", "step_time")  # the parts that train the model `build_qwen3` saves
 
 
 def _text(x):
@@ -498,7 +565,7 @@ def markdown(report):
     for name, p in parts.items():
         budget = f"{p['budget_s']:.0f}" if "budget_s" in p else "-"
         lines.append(f"| {name} | {p['status']} | {p['wall_s']:.1f} | {budget} |")
-    num = parts["numerics"].get("result")
+    num = parts.get("numerics", {}).get("result")
     if num:
         lines += ["", "## Numerics against the float64 reference", "",
                   "| estimator | precision | advantages max abs error | gradient max rel. L2 | gradient tolerance | ok |",
@@ -509,7 +576,7 @@ def markdown(report):
                 continue
             lines.append(f"| {c['estimator']} | {c['precision']} | {c['advantages_max_abs_error']:.1e} | "
                          f"{c['gradient_max_rel_l2']:.2e} | {c['gradient_tolerance']} | {'yes' if c['ok'] else 'NO'} |")
-    sc = parts["score_centering"].get("result")
+    sc = parts.get("score_centering", {}).get("result")
     if sc:
         lines += ["", f"## Score centering (k = {sc['top_k']}) on vs off: B x T = {sc['batch']} x "
                   f"{sc['completion_length']}, V = {sc['vocab']}, bf16, {sc['rounds']} rounds", "",
@@ -520,7 +587,7 @@ def markdown(report):
                   f"| {sc['memory_ratio']:.3f} | <= {sc['memory_target']} | {'yes' if sc['memory_pass'] else 'no'} |",
                   f"| process peak (MiB) | {_f(sc['process_peak_mib']['off'], 0)} | {_f(sc['process_peak_mib']['on'], 0)} "
                   f"| {sc['process_memory_ratio']:.3f} | | |", "", f"Memory: {sc['memory_measure']}."]
-    sa = parts["sampling"].get("result")
+    sa = parts.get("sampling", {}).get("result")
     if sa:
         lines += ["", f"## Truncated sampling (top_k = {sa['top_k']}): B x T = {sa['batch']} x {sa['completion_length']}, "
                   f"V = {sa['vocab']}, bf16, {sa['rounds']} rounds", "",
@@ -529,7 +596,25 @@ def markdown(report):
         for arm, a in sa["arms"].items():
             lines.append(f"| {arm} | {a['step_time_s']:.4f} | {a['time_ratio']:.3f} | {_f(a['step_peak_mib'], 0)} | "
                          f"{a['memory_ratio']:.3f} | {'yes' if a['time_pass'] else 'no'} (<= {sa['time_target']}) |")
-    st = parts["step_time"].get("result")
+    lm = parts.get("lm_head", {}).get("result")
+    if lm:
+        arms = list(next(iter(lm["rows"].values()))) if lm["rows"] else []
+        lines += ["", f"## Log-prob heads: V = {lm['vocab']}, hidden {lm['hidden']}, 1 layer, bf16, {lm['batch']} "
+                  f"sequences, top_k = {lm['top_k']}, k = {lm['head_k']}; step peak above start (MiB), median step "
+                  "time (s), ratio to fused", "", "| N | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
+        for N, row in lm["rows"].items():
+            lines.append(f"| {N} | " + " | ".join(
+                f"{a['step_peak_mib']:.0f} MiB ({a['memory_ratio']:.3f}), {a['step_time_s']:.4f} s ({a['time_ratio']:.3f})"
+                for a in row.values()) + " |")
+        if lm["not_run"]:
+            lines.append(f"\nNot run (part budget spent): N = {', '.join(map(str, lm['not_run']))}.")
+        lines += ["", "| target | ratio to fused | target | pass |", "|---|---|---|---|"]
+        for t in lm["targets"]:
+            verdict = "n/a" if t["pass"] is None else ("yes" if t["pass"] else "no")
+            lines.append(f"| {t['arm']} {t['measure']} at N = {t['positions']} | {_f(t['ratio'])} | <= {t['target']} "
+                         f"| {verdict} |")
+        lines += ["", f"Memory: {lm['memory_measure']}."]
+    st = parts.get("step_time", {}).get("result")
     if st:
         lines += ["", f"## Step time vs GRPOTrainer(beta=0.04): batch {st['batch']} ({st['num_generations']} per "
                   f"prompt), {st['completion_length']} completion tokens, bf16, {st['timed_steps_per_arm']} timed steps "
@@ -542,7 +627,7 @@ def markdown(report):
     return "\n".join(lines) + "\n"
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny models and batches (the CPU rehearsal)")
@@ -553,7 +638,17 @@ def main():
     ap.add_argument("--budget_s", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--budget_scale", type=float, default=1.0,
                     help="multiplies every part's time budget (for a slow or shared CPU; the budgets fit one H200)")
-    opts = ap.parse_args()
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"the parts to run, comma-separated (default: {','.join(PARTS)})")
+    opts = ap.parse_args(argv)
+    parts = opts.parts.split(",")
+    if any(p not in PARTS for p in parts) or len(set(parts)) < len(parts):
+        ap.error(f"--parts {opts.parts!r}: accepted: one or more of {', '.join(PARTS)}, comma-separated, each once")
+    opts.parts = parts
+    return opts
+
+
+def main():
+    opts = parse_args()
     if opts.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); "
                  "use --device cpu --tiny for the CPU rehearsal")
@@ -574,9 +669,10 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         t = time.monotonic()
         model_path = os.path.join(tmp, "qwen3")
-        n_params = build_qwen3(model_path, opts.tiny)
-        parts["build_model"] = {"status": "ok", "wall_s": time.monotonic() - t, "parameters": n_params}
-        for part in PARTS:
+        if set(opts.parts) & set(QWEN3_PARTS):
+            n_params = build_qwen3(model_path, opts.tiny)
+            parts["build_model"] = {"status": "ok", "wall_s": time.monotonic() - t, "parameters": n_params}
+        for part in opts.parts:
             budget = BUDGETS_S[part] * opts.budget_scale
             status, result, wall, log = run_part(part, opts, model_path, opts.out, budget)
             parts[part] = {"status": status, "wall_s": wall, "budget_s": budget, "result": result}
@@ -584,7 +680,8 @@ def main():
                 parts[part]["log"] = log
     report = {"device": opts.device, "tiny": opts.tiny, "budget_scale": opts.budget_scale, "environment": env, "parts": parts,
               "wall_s": time.monotonic() - t0}
-    ok = all(p["status"] == "ok" for p in parts.values()) and parts["numerics"]["result"]["ok"]
+    numerics = parts.get("numerics")
+    ok = all(p["status"] == "ok" for p in parts.values()) and (numerics is None or numerics["result"]["ok"])
     report["ok"] = ok
     with open(os.path.join(opts.out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -39,22 +39,26 @@ def _status_kib(field):
         return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
 
 
-def child(arm, vocab, positions, hidden, seed=0):
-    """One measured step of `arm`; returns `{"peak_mib", "seconds"}`."""
+def build_arm(arm, vocab, positions, hidden, device="cpu", dtype=None, seed=0):
+    """The model and the step of `arm` (one of `ARMS`) at V = `vocab`, N = `positions` and hidden size `hidden`, on
+    `device` in `dtype` (None: float32), with every parameter's gradient allocated (zeros), so that a step allocates
+    none. Returns `(model, step)`: `step()` runs the arm's forward and returns its log-probs, `[B, T, n]` or `[B, T]`;
+    their sum, backpropagated, is the measured step. Shared with benchmarks/gpu_check.py (part lm_head)."""
+    if arm not in ARMS:
+        raise ValueError(f"arm={arm!r} is not an arm of benchmarks/lm_head_memory.py; accepted: {', '.join(ARMS)}")
     import torch
     import trl.trainer.utils  # noqa: F401  (loaded, as in a trainer, before the measured step: lm_head imports it)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trl_rpp.replay import head_logps, install_head_reader
 
-    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed blocks leave the RSS
-    torch.set_num_threads(1)
     T = positions // BATCH
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=PROMPT + T + 1,
                          tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).train()
+    with torch.device(device):  # initialized where it runs (filled on a CPU, a 151,936-row head outlasts the steps)
+        model = LlamaForCausalLM(config).to(dtype or torch.float32).train()
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(vocab, (BATCH, PROMPT + T), generator=g)
     attention_mask = torch.ones_like(input_ids)
@@ -64,6 +68,7 @@ def child(arm, vocab, positions, hidden, seed=0):
     support[..., 0] = input_ids[:, -T:]
     head = torch.randint(vocab, (BATCH, T, HEAD_K), generator=g)
     ids = torch.cat([input_ids[:, -T:].unsqueeze(-1), support[..., :HEAD_K].clamp(min=0) if arm == "both" else head], -1)
+    input_ids, attention_mask, support, ids = (x.to(device) for x in (input_ids, attention_mask, support, ids))
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     if arm == "fused":
@@ -81,7 +86,16 @@ def child(arm, vocab, positions, hidden, seed=0):
 
         def step():
             return head_logps(model, input_ids, attention_mask, read[0], read[1], 0.7)[0]
+    return model, step
 
+
+def child(arm, vocab, positions, hidden, seed=0):
+    """One measured step of `arm` on CPU; returns `{"peak_mib", "seconds"}`."""
+    import torch
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed blocks leave the RSS
+    torch.set_num_threads(1)
+    _, step = build_arm(arm, vocab, positions, hidden, seed=seed)
     gc.collect()
     before = _status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:

@@ -44,8 +44,9 @@ interval of a difference of means and a two-sided permutation test; seeds are no
 diverge within a few steps).
 
 Every (condition, arm, seed) runs in its own process; a run that finished left `summary.json` and is skipped when the
-sweep is started again. Per-step metrics are kept in `summary.json` (`series`, 4 significant digits), so that every
-run's file can be committed.
+sweep is started again. Per-step metrics are kept in `summary.json` (`series`, 4 significant digits). `--report`
+keeps what it reads of every run in `<out>/runs.parquet` (`run_table`) and reads that table where the runs' own files
+are absent, as in the repository.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import itertools
 import json
 import math
@@ -64,6 +66,9 @@ import subprocess
 import sys
 import time
 from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run_table, when imported from elsewhere
+import run_table  # noqa: E402
 
 RESULTS = "benchmarks/results/mismatch_study"
 ARMS = ("uncorrected", "token_truncate", "sc32", "sc32_token_truncate", "sc_full")
@@ -210,9 +215,25 @@ def permutation_p_value(a, b, n_resamples: int = 20_000, seed: int = 0, exact_li
     if math.comb(n, na) <= exact_limit:
         sums = [sum(pooled[i] for i in idx) for idx in itertools.combinations(range(n), na)]
         return sum(stat(s) >= observed for s in sums) / len(sums)
-    rng = random.Random(seed)
-    hits = sum(stat(sum(rng.sample(pooled, na))) >= observed for _ in range(n_resamples))
+    import numpy as np
+
+    # The relabelings `random.Random(seed).sample(pooled, na)` draws (they depend on n and na only), summed in the
+    # order it returns them, as Python's `sum` would: the same floats, so the same p-value, at numpy's speed.
+    picked = np.asarray(pooled, dtype=np.float64)[_resampled_indices(n, na, n_resamples, seed)]
+    sums = picked[:, 0].copy()
+    for j in range(1, na):
+        sums += picked[:, j]
+    hits = int((np.abs(sums / na - (total - sums) / (n - na)) >= observed).sum())
     return (hits + 1) / (n_resamples + 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _resampled_indices(n: int, na: int, n_resamples: int, seed: int):
+    """``[n_resamples, na]``: the positions `random.Random(seed).sample(range(n), na)` draws, resample by resample."""
+    import numpy as np
+
+    rng = random.Random(seed)
+    return np.array([rng.sample(range(n), na) for _ in range(n_resamples)], dtype=np.int64)
 
 
 def curve_area(curve) -> float:
@@ -566,7 +587,7 @@ def run_one(condition: str, arm: str, seed: int, opts):
         settings={k: getattr(opts, k) for k in RUN_SETTINGS},
     )
     with open(os.path.join(outdir, "summary.json"), "w") as f:  # written last: marks the run as done
-        json.dump(summary, f)  # one line: about 18 kB per run (300 steps), every run is committed
+        json.dump(summary, f)  # one line: about 18 kB per run (300 steps)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("curves", "series", "step_seconds")}), flush=True)
     return summary
 
@@ -649,14 +670,31 @@ METRICS = (("sampler_copy_prob_area", "area, sampler"), ("sampler_copy_prob_afte
            ("copy_prob_area", "area, trainer"), ("copy_prob_after", "final, trainer"))
 
 
-def load_runs(root, condition):
+def read_run(where):
+    """What the report reads of one run's summary.json (kept in the study's table, `run_table`): the scores, the
+    CPU time, the sampler's learning curve, the per-step gap, and the training reward where the bias sanity check
+    compares runs step by step."""
+    summary = json.load(open(os.path.join(where, "summary.json")))
+    series = summary["series"]
+    keep = ["mismatch/abs_log_ratio_mean"] + (["reward"] if summary["condition"].startswith("bias") else [])
+    return dict({k: summary[k] for k in ("condition", "arm", "seed", *(k for k, _ in METRICS), "cpu_seconds")},
+                series={k: series[k] for k in keep if k in series},
+                curves={"sampler_copy_prob": summary["curves"]["sampler_copy_prob"]})
+
+
+def load_study(root):
+    """Every run's record: from the runs' summary.json files when there are any (also written to
+    `<root>/runs.parquet`), else from that table."""
+    return run_table.Runs(run_table.load(root, run_table.raw_runs(root, read_run, depths=(3,))))
+
+
+def load_runs(root, condition, study=None):
+    """Per arm, the records of the runs of `condition` (of `study`, `load_study(root)` by default)."""
+    study = load_study(root) if study is None else study
     runs = {}
-    where = os.path.join(root, condition)
-    for arm in sorted(os.listdir(where)) if os.path.isdir(where) else []:
-        for d in sorted(os.listdir(os.path.join(where, arm))):
-            path = os.path.join(where, arm, d, "summary.json")
-            if os.path.exists(path):
-                runs.setdefault(arm, []).append(json.load(open(path)))
+    for arm in study.children(condition):
+        for d in study.children(condition, arm):
+            runs.setdefault(arm, []).append({"series": {}, **study.get(condition, arm, d)})
     return runs
 
 
@@ -688,16 +726,16 @@ def _fmt_contrast(c):
 
 def report(opts):
     """`<out>/report.md` and `report.json` (docs/evidence.md copies the summary table) and the figure, from every
-    summary.json under `--out`."""
-    conditions = [c for c in CONDITIONS if os.path.isdir(os.path.join(opts.out, c))]
-    conditions += sorted(c for c in os.listdir(opts.out) if os.path.isdir(os.path.join(opts.out, c))
-                         and SOURCE.match(c) and c not in conditions) if os.path.isdir(opts.out) else []
+    run under `--out` (`load_study`)."""
+    study = load_study(opts.out)
+    conditions = [c for c in CONDITIONS if study.has(c)]
+    conditions += [c for c in study.children() if SOURCE.match(c) and c not in conditions]
     out, lines = {}, ["### Study 4: results", "",
                       "Held-out copy probability (teacher-forced, per position, exact), mean [95% t interval] over "
                       "seeds, final and area under the learning curve, each under the sampler and under the trainer. "
                       "Contrasts: unpaired difference of means, Welch 95% interval, two-sided permutation p.", ""]
     for condition in conditions:
-        runs = load_runs(opts.out, condition)
+        runs = load_runs(opts.out, condition, study)
         if not runs:
             continue
         rows = {}
@@ -745,7 +783,8 @@ def report(opts):
     with open(os.path.join(opts.out, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     if any(c in out for c in conditions):
-        plot(opts, out, conditions)
+        if not getattr(opts, "no_figures", False):
+            plot(opts, out, conditions)
     print("\n".join(lines))
     return out
 
@@ -852,6 +891,7 @@ def main():
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--run", nargs=3, metavar=("CONDITION", "ARM", "SEED"), default=None, help="internal: one run")
     ap.add_argument("--report", action="store_true")
+    ap.add_argument("--no_figures", action="store_true", help="--report: the tables only")
     opts = ap.parse_args()
     opts.lengths = [int(x) for x in str(opts.lengths).split(",")]
     opts.seeds = [int(x) for x in opts.seeds.split(",")]

@@ -41,7 +41,8 @@ the same with or without truncation). Seeds are not paired (runs that share a se
 Welch's unpaired 95% interval and a two-sided permutation p (study 4's functions).
 
 Every (arm, seed) runs in its own process and leaves `summary.json` (written last) in `<out>/<arm>/seed<k>/`; a
-sweep started again skips those runs.
+sweep started again skips those runs. `--report` keeps what it reads of every run in `<out>/runs.parquet`
+(`run_table`) and reads that table where the runs' own files are absent, as in the repository.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # mismatch_study, when imported from elsewhere
 
+import run_table  # noqa: E402
 from mismatch_study import (  # noqa: E402
     _contrast,
     _fmt_contrast,
@@ -283,14 +285,24 @@ def sweep(opts):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# What the report reads of each run's summary.json, kept in the study's table (`run_table`).
+KEPT = ("arm", "seed", *(k for k, _ in METRICS), "first_step", "cpu_seconds", "step_seconds")
+
+
+def read_run(where):
+    summary = json.load(open(os.path.join(where, "summary.json")))
+    return {k: summary[k] for k in KEPT}
+
+
 def load_runs(root):
+    """Per arm, the records of its runs: from the runs' summary.json files when there are any (also written to
+    `<root>/runs.parquet`), else from that table."""
+    records = run_table.Runs(run_table.load(root, run_table.raw_runs(root, read_run)))
     runs = {}
     for arm in ARMS:
-        where = os.path.join(root, arm)
-        for d in sorted(os.listdir(where)) if os.path.isdir(where) else []:
-            path = os.path.join(where, d, "summary.json")
-            if os.path.exists(path):
-                runs.setdefault(arm, []).append(json.load(open(path)))
+        for d in records.children(arm):
+            if records.get(arm, d) is not None:
+                runs.setdefault(arm, []).append(records.get(arm, d))
     return runs
 
 

@@ -23,10 +23,12 @@ from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # no
 
 ESTIMATORS = ["reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 CASES = ["reinforce_plus_plus:deferred", *(f"{e}:{mode}" for mode in ("groups", "mask_truncated") for e in ESTIMATORS),
-         "reinforce_plus_plus_baseline:replay"]
+         "reinforce_plus_plus_baseline:replay", "reinforce_plus_plus_baseline:lora_head"]
 # A truncating sampler replayed, with score centering and the k2 loss (tests/test_replay.py's single-process case).
 REPLAY = dict(top_k=6, top_p=0.9, temperature=0.8, score_centering=True, score_centering_top_k=6, max_grad_norm=0.0,
               num_iterations=2, kl_loss_coef=0.1)
+# The replay case with a LoRA adapter on the head (and attention): DDP reduces the adapter's gradient read in tiles.
+LORA_HEAD = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], lora_dropout=0.0)
 
 
 def run_case(outdir, model_path, estimator, mode):
@@ -38,11 +40,16 @@ def run_case(outdir, model_path, estimator, mode):
 
         dataset = Dataset.from_list([{"prompt": "b:" if i % 2 == 0 else "a:"} for i in range(64)])
         extra.update(mask_truncated_completions=True, shuffle_dataset=False, num_generations=4)
-    if mode == "replay":
+    kwargs = {}
+    if mode in ("replay", "lora_head"):
         extra.update(REPLAY)
+    if mode == "lora_head":
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(**LORA_HEAD)
     args = make_args(
         Path(outdir) / f"{estimator}-{mode}", estimator, gradient_accumulation_steps=1, steps_per_generation=1,
-        max_steps=1 if mode == "replay" else 2,
+        max_steps=1 if mode in ("replay", "lora_head") else 2,
         num_generations=extra.pop("num_generations", 8),  # by default one group of 8 straddles the two processes
         **extra,
     )
@@ -73,7 +80,10 @@ def run_case(outdir, model_path, estimator, mode):
         args=args,
         train_dataset=dataset,
         callbacks=[GradCapture()],
+        **kwargs,
     )
+    # The adapter's initial weights (DDP starts every rank from rank 0's).
+    init = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     # "groups": REINFORCE++ returns built at generation (with an old-policy forward); "deferred": built in the loss.
     if mode == "groups":
         returns_at_generation(trainer)
@@ -90,6 +100,7 @@ def run_case(outdir, model_path, estimator, mode):
             args=trainer.args,
             grads=grads,
             head_grad_layouts=head_grad_layouts,
+            init=init,
         ),
         os.path.join(outdir, f"{estimator}-{mode}-rank{rank}.pt"),
     )

@@ -2,7 +2,7 @@
 DeepSpeed ZeRO-2, DeepSpeed ZeRO-3, FSDP2). One launch runs every case in turn, because each launch costs far more in
 start-up than the cases cost in training.
 
-Per case and rank it saves: the advantages each loss call received, the trainable parameters after each optimizer
+Per case and rank it saves: the advantages each loss call received (and the kept sets it replayed), the trainable parameters after each optimizer
 step (gathered in full under ZeRO-3 and FSDP2), the log history, and facts about the engine that really ran
 (wrapper class, ZeRO stage and optimizer, partitioned parameters or DTensor shards), so that the parent test can compare engines step by step.
 After the cases in `SAVED_CASES` it also calls `trainer.save_model(OUTDIR/CASE/final)`, as the `trl-rpp` CLI does,
@@ -33,16 +33,22 @@ from transformers import TrainerCallback  # noqa: E402
 from trainer_helpers import CaptureTrainer, finish_launched, length_reward, make_args  # noqa: E402
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
 
+REPLAY_TOP_K = 8  # rpp_ref's top_k; the other cases sample from the full softmax
+
 # name -> (estimator, RPPConfig overrides, uses LoRA). Together: both estimators, a frozen reference copy (k1
-# shaping; k2 loss), LoRA whose reference is the disabled adapter, score centering on and off, returns built at
+# shaping; k2 loss), LoRA whose reference is the disabled adapter, score centering on and off (without truncation:
+# the full-softmax head, `lm_head.full_logps`), a replayed truncating sampler (`lm_head.kept_logps`), returns built at
 # generation (steps_per_generation=2 and 4) and deferred into the loss (steps_per_generation=1), gradient accumulation.
 CASES = {
     # Momentum gives the optimizer a state that a resume from the step-2 checkpoint must restore (and torch 2.13's
     # full-state-dict optimizer load under FSDP2 fails on a stateless one: no tensor to take the device from).
     # steps_per_generation=4 micro-batches, 2 per optimizer step: steps 1-2 train on one generation batch and step 3
     # on the next, so checkpoints at steps 1 and 3 fall inside one (the fault chain, `FAULT_PHASES`).
+    # top_p inside top_k's bound: replay reads the kept ids' head rows in the old-policy, reference and loss forwards
+    # of a fully trained head (its gradient by rows, partitioned under ZeRO-3, a DTensor under FSDP2), and the kept
+    # sets travel in the generation buffer that the checkpoints inside a generation batch save and resume.
     "rpp_ref": ("reinforce_plus_plus", dict(kl_coef=0.05, gamma=0.9, max_steps=3, optim_args="momentum=0.9",
-                                            steps_per_generation=4), False),
+                                            steps_per_generation=4, top_k=REPLAY_TOP_K, top_p=0.8), False),
     "baseline_sc": ("reinforce_plus_plus_baseline", dict(score_centering=True, score_centering_top_k=8, max_steps=2), False),
     "rpp_lora_deferred": (
         "reinforce_plus_plus",
@@ -183,6 +189,8 @@ def save_record(outdir, tag, trainer, snaps, facts, **more):
         facts=facts,
         advantages=[x["advantages"].detach().cpu() for x in trainer.loss_inputs],
         completion_masks=[x["completion_mask"].detach().cpu() for x in trainer.loss_inputs],
+        # The kept sets each loss call replayed (None: no replay), as its batch carried them.
+        support_ids=[x["sampler_support_ids"].cpu() if "sampler_support_ids" in x else None for x in trainer.loss_inputs],
         params=dict(snaps.steps),
         logs=trainer.state.log_history,
         generations=len(trainer.generation_batches),

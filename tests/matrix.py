@@ -17,7 +17,7 @@ import sys
 
 AXES = {
     "estimator": ("reinforce_plus_plus", "reinforce_plus_plus_baseline"),
-    "weights": ("full", "lora"),
+    "weights": ("full", "lora", "lora_head"),
     "generation_config": ("none", "qwen3"),  # the model's own: none, or sampling defaults like Qwen3's
     "sampler": ("temperature=1", "temperature=0.7", "top_k", "top_p+top_k", "min_p+top_k"),
     "score_centering": ("off", "on"),
@@ -268,6 +268,8 @@ def trainer_of(cell: dict, args, paths: dict):
     kw = {}
     if cell["weights"] == "lora":
         kw["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    elif cell["weights"] == "lora_head":  # the head's adapter, read by every log-prob path (trl_rpp.lm_head)
+        kw["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"])
     if cell["rollouts"] == "tools":
         kw["tools"] = [multiply]
     elif cell["rollouts"] == "rollout_func":

@@ -99,6 +99,26 @@ def test_unreadable_buffer_names_the_file(tmp_path, damage):
     assert load_generation_buffer(folder, 0, required=False) is None  # not read where it is not needed
 
 
+def oom_on_restore(storage, location):  # what restoring a storage onto a full device raises
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+@pytest.mark.parametrize("map_location, error", [
+    ("cuda:1000000", RuntimeError),  # a device this machine lacks (no CUDA, or no such ordinal): a device error
+    (oom_on_restore, torch.OutOfMemoryError),
+])
+def test_an_error_that_is_not_damage_propagates_as_itself_naming_the_file(tmp_path, caplog, map_location, error):
+    """A device error or out of memory while loading an intact buffer is not reported as damage (which says "delete
+    the folder"): it keeps its type, with the file and its checkpoint named (a note, or a log before Python 3.11)."""
+    folder = str(tmp_path / "checkpoint-3")
+    path = save_generation_buffer(folder, 0, 3, [{"advantages": torch.randn(8, 4)}])
+    with caplog.at_level(logging.ERROR, logger="trl_rpp.checkpoint"), pytest.raises(error) as info:
+        load_generation_buffer(folder, 0, required=True, map_location=map_location)
+    assert not isinstance(info.value, DamagedCheckpointError)
+    named = " ".join(getattr(info.value, "__notes__", [])) + caplog.text
+    assert f"while loading {path}, the generation buffer of the checkpoint {folder}" in named, named
+
+
 def test_missing_or_damaged_trainer_state_names_it(tmp_path):
     folder = str(tmp_path / "checkpoint-4")
     os.makedirs(folder)

@@ -176,6 +176,14 @@ def test_lm_head_memory_benchmark_runs_small(tmp_path):
     assert all(r["peak_mib"] >= 0 and r["seconds"] > 0 for r in results), results
 
 
+def test_lm_head_memory_build_arm_names_the_accepted_arms():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from lm_head_memory import build_arm
+
+    with pytest.raises(ValueError, match=r"arm='logits' is not an arm .*; accepted: fused, replay, score_centering, both"):
+        build_arm("logits", 256, 32, 16)
+
+
 @pytest.mark.slow
 def test_compare_estimators_drift_study_arms_run_and_correct_as_documented(tmp_path):
     """Study 2 at 2 steps: the run without a bias and the four mismatch arms (full fine-tuning, tiny model)."""

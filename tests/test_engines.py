@@ -32,10 +32,12 @@ import torch
 
 from test_preemption import finish, wait_for
 from trainer_helpers import LAUNCH_ENV, assert_launch_finished, launch_command
+from trl_rpp.truncation import ABSENT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(os.path.dirname(HERE), "examples", "accelerate_configs")
 CASES = ["rpp_ref", "baseline_sc", "rpp_lora_deferred", "unequal_lengths"]
+REPLAY_TOP_K = 8  # engine_script.REPLAY_TOP_K, rpp_ref's
 ADV_ATOL, PARAM_ATOL, MIN_MOVE = 1e-5, 1e-6, 1e-4
 LAUNCH_TIMEOUT_S = 300  # a hung collective fails the test instead of blocking CI
 
@@ -166,18 +168,22 @@ def ddp_runs(engine_runs):
 def max_diffs(ref_ranks, got_ranks, first_step=0, last_step=None):
     """Largest |difference| of the advantages each loss call received and of the parameters after each optimizer
     step (step 0: as training starts), from `first_step` to `last_step` (default: the reference's last); and the
-    largest change of any parameter over one step in the reference run."""
+    largest change of any parameter over one step in the reference run. The kept sets each loss call replayed must
+    be the reference's, id for id (or absent in both)."""
     adv, params, move = 0.0, 0.0, 0.0
     for r in range(2):
         ref_p, got_p = ref_ranks[r]["params"], got_ranks[r]["params"]
         last = max(ref_p) if last_step is None else last_step
         assert sorted(got_p) == list(range(first_step, last + 1)), (sorted(got_p), first_step, last)
         per_step = len(ref_ranks[r]["advantages"]) // max(ref_p)  # loss calls per optimizer step
-        ref_adv = ref_ranks[r]["advantages"][first_step * per_step:last * per_step]
+        calls = slice(first_step * per_step, last * per_step)
+        ref_adv = ref_ranks[r]["advantages"][calls]
         assert len(ref_adv) == len(got_ranks[r]["advantages"])
         for a, b in zip(ref_adv, got_ranks[r]["advantages"]):
             assert a.shape == b.shape
             adv = max(adv, (a.double() - b.double()).abs().max().item())
+        for i, (a, b) in enumerate(zip(ref_ranks[r]["support_ids"][calls], got_ranks[r]["support_ids"], strict=True)):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), ("kept sets differ", r, i)
         for step, named in got_p.items():
             assert sorted(named) == sorted(ref_p[step]), "the same trainable parameters"
             before = ref_p.get(step - 1)
@@ -189,6 +195,8 @@ def max_diffs(ref_ranks, got_ranks, first_step=0, last_step=None):
 
 
 def check_equal_to_ddp(engine, runs, ddp_runs):
+    check_replay("ddp", ddp_runs)
+    check_replay(engine, runs)
     for name in CASES:
         adv, params, move = max_diffs(ddp_runs[name], runs[name])
         print(f"\n{engine} vs ddp, {name}: max |dA| = {adv:.3g}, max |dparam| = {params:.3g} (largest step {move:.3g})")
@@ -199,6 +207,29 @@ def check_equal_to_ddp(engine, runs, ddp_runs):
     # hang (the launch would time out) nor differ (compared above).
     lengths = [sum(m.sum().item() for m in runs["unequal_lengths"][r]["completion_masks"]) for r in range(2)]
     assert lengths[0] > 4 * lengths[1], lengths
+
+
+def check_replay(engine, runs):
+    """Replay ran in rpp_ref (top_k=REPLAY_TOP_K, top_p=0.8; engine_script.CASES) and in no other case: every loss
+    call of both ranks read its micro-batch's kept sets, `[B, T, 2 top_k]` ids holding 1 to top_k kept ids at each
+    completion token, and fewer than top_k at some (top_p cut inside top_k's bound). `max_diffs` checks that they
+    are DDP's sets, id for id."""
+    for name in CASES + (["rpp_ref_resumed"] if "rpp_ref_resumed" in runs else []):
+        for rank in range(2):
+            sets, masks = runs[name][rank]["support_ids"], runs[name][rank]["completion_masks"]
+            assert sets and len(sets) == len(masks), (engine, name, rank, len(sets), len(masks))
+            if not name.startswith("rpp_ref"):
+                assert all(s is None for s in sets), (engine, name, "replayed without truncation")
+                continue
+            kept = []
+            for s, m in zip(sets, masks, strict=True):
+                assert s is not None and s.shape == (*m.shape, 2 * REPLAY_TOP_K), (engine, name, rank, m.shape)
+                kept.append((s != ABSENT).sum(-1)[m.bool()])
+            kept = torch.cat(kept)
+            assert kept.numel() > 0 and 1 <= kept.min() and kept.max() <= REPLAY_TOP_K, (engine, name, rank, kept)
+            assert kept.min() < REPLAY_TOP_K, (engine, name, rank, "top_p never cut inside top_k")
+    sampled = [h["sampling/tie_overflow"] for h in runs["rpp_ref"][0]["logs"] if "sampling/tie_overflow" in h]
+    assert sampled and all(v == 0 for v in sampled), (engine, sampled)  # logged only with a replayed truncation
 
 
 def assert_engine(engine, name, facts):

@@ -1,5 +1,5 @@
 """benchmarks/gpu_check.py rehearsed on CPU (`--device cpu --tiny`), so that the GPU check cannot rot before a GPU
-comes: every part runs, and the report says what it must."""
+comes: every part runs (lm_head in this process), and the report says what it must."""
 
 import importlib.metadata as md
 import json
@@ -9,19 +9,23 @@ import sys
 import time
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
 ESTIMATORS = {"reinforce_plus_plus", "reinforce_plus_plus_baseline"}
+REHEARSED = ["numerics", "score_centering", "sampling", "step_time"]  # every part but lm_head
 
 
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     t = time.monotonic()
-    # The budgets fit one H200; a shared CI CPU gets 3x their time (the parts' wall times are in the report).
+    # The budgets fit one H200; a shared CI CPU gets 3x their time (the parts' wall times are in the report). Part
+    # lm_head runs in the test process instead (`test_lm_head_part_...`): its child would spend ~20 s on start-up.
     proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--tiny", "--out", str(out),
-                           "--budget_scale", "3"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+                           "--budget_scale", "3", "--parts", ",".join(REHEARSED)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     return report, (out / "report.md").read_text(), proc.stdout, time.monotonic() - t
@@ -31,7 +35,7 @@ def rehearsal(tmp_path_factory):
 def test_every_part_runs_and_the_environment_is_recorded(rehearsal):
     report, md_text, stdout, wall = rehearsal
     parts = report["parts"]
-    assert set(parts) == {"build_model", "numerics", "score_centering", "sampling", "step_time"}
+    assert list(parts) == ["build_model", *REHEARSED]  # --parts: those named, in that order
     assert all(p["status"] == "ok" and p["wall_s"] > 0 for p in parts.values()), parts
     assert report["ok"] is True and 0 < report["wall_s"] <= wall
     env = report["environment"]
@@ -81,6 +85,73 @@ def test_sampling_part_times_the_four_arms_against_no_correction(rehearsal):
         assert f"| {name} | {a['step_time_s']:.4f} | {a['time_ratio']:.3f} |" in rehearsal[1]
 
 
+def check_lm_head(lm, md_text, positions):
+    """Part lm_head's result: every arm of benchmarks/lm_head_memory.py at each N of `positions`, as ratios to the
+    fused head, and the targets judged at the largest N of the part's sizes (n/a where it did not run)."""
+    assert lm["top_k"] == 20 and lm["head_k"] == 32 and lm["batch"] == 2 and (lm["vocab"], lm["hidden"]) == (512, 16)
+    assert list(lm["rows"]) == [str(n) for n in positions], lm["rows"]
+    assert lm["not_run"] == [n for n in lm["positions"] if n not in positions]
+    for n, row in lm["rows"].items():
+        assert list(row) == ["fused", "replay", "score_centering", "both"], row
+        for arm, a in row.items():
+            assert a["step_time_s"] > 0 and a["step_peak_mib"] >= 0 and a["rounds"] >= 1, (n, arm, a)
+            assert a["time_ratio"] == pytest.approx(a["step_time_s"] / row["fused"]["step_time_s"])
+            assert a["memory_ratio"] == pytest.approx(a["step_peak_mib"] / max(row["fused"]["step_peak_mib"], 1e-9))
+            assert f"| {a['step_peak_mib']:.0f} MiB ({a['memory_ratio']:.3f}), {a['step_time_s']:.4f} s" in md_text
+    at = max(lm["positions"])
+    want = {("replay", "memory"): 0.2, ("replay", "time"): 0.2, ("score_centering", "memory"): 1.10}
+    assert {(t["arm"], t["measure"]): t["target"] for t in lm["targets"]} == want
+    for t in lm["targets"]:
+        ratio = lm["rows"][str(at)][t["arm"]][f"{t['measure']}_ratio"] if at in positions else None
+        assert t["positions"] == at and t["ratio"] == ratio, t
+        assert t["pass"] == (None if ratio is None else ratio <= t["target"]), t
+        shown, verdict = ("n/a", "n/a") if ratio is None else (f"{ratio:.3f}", "yes" if t["pass"] else "no")
+        assert f"| {t['arm']} {t['measure']} at N = {at} | {shown} | <= {t['target']} | {verdict} |" in md_text
+
+
+def test_lm_head_part_measures_the_four_heads_and_stops_at_its_deadline():
+    """Part lm_head called in this process on CPU (bf16, the arms of benchmarks/lm_head_memory.py at V = 512): with
+    time to spare it measures both sizes, and its report survives JSON; with its deadline already past, N = 64 runs
+    one round, N = 128 is named as not run, and the targets are n/a."""
+    import gc
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check
+
+    opts = gpu_check.argparse.Namespace(device="cpu", tiny=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as gpu_check's CPU children run: more threads only contend at this size
+    gc.freeze()  # the CPU memory probe collects garbage before every step: skip this process's long-lived heap
+    try:
+        full = json.loads(json.dumps(gpu_check.part_lm_head(opts, time.monotonic() + 120)))
+        late = gpu_check.part_lm_head(opts, time.monotonic())
+    finally:
+        gc.unfreeze()
+        torch.set_num_threads(threads)
+    for lm, positions in ((full, [64, 128]), (late, [64])):
+        report = {"tiny": True, "wall_s": 1.0, "environment": gpu_check.environment("cpu"),
+                  "parts": {"lm_head": {"status": "ok", "wall_s": 1.0, "budget_s": 60, "result": lm}}}
+        md_text = gpu_check.markdown(report)
+        check_lm_head(lm, md_text, positions)
+        assert ("Not run (part budget spent): N = 128." in md_text) == (positions == [64]), md_text
+    assert all(a["rounds"] == 2 for row in full["rows"].values() for a in row.values()), full["rows"]
+    assert all(a["rounds"] == 1 for a in late["rows"]["64"].values()), late["rows"]
+
+
+def test_parts_option_selects_parts_and_rejects_unknown_or_repeated_names(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check
+
+    assert gpu_check.parse_args([]).parts == ["numerics", "score_centering", "sampling", "lm_head", "step_time"]
+    assert gpu_check.parse_args(["--parts", "lm_head,numerics"]).parts == ["lm_head", "numerics"]
+    for bad in ("lm_head,heads", "lm_head,lm_head", ""):
+        with pytest.raises(SystemExit) as exit_:
+            gpu_check.parse_args(["--parts", bad])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--parts {bad!r}: accepted: one or more of numerics, score_centering, sampling, lm_head, step_time" in err
+
+
 @pytest.mark.slow
 def test_step_time_part_times_every_arm_at_fixed_length(rehearsal):
     st = rehearsal[0]["parts"]["step_time"]["result"]
@@ -108,6 +179,7 @@ def test_a_part_over_its_budget_is_killed_and_reported(tmp_path):
               "parts": {"numerics": {"status": status, "wall_s": wall, "budget_s": 0.5, "result": None, "log": ""},
                         "score_centering": {"status": "ok", "wall_s": 1.0, "result": None},
                         "sampling": {"status": "ok", "wall_s": 1.0, "result": None},
+                        "lm_head": {"status": "ok", "wall_s": 1.0, "result": None},
                         "step_time": {"status": "ok", "wall_s": 1.0, "result": None}}}
     md_text = gpu_check.markdown(report)
     assert "| numerics | timed_out |" in md_text and "## numerics: timed_out" in md_text

@@ -1,6 +1,7 @@
 """`trl_rpp.lm_head`: log-probs read from the hidden states and the head in tiles, against float64 plain loops and
 against today's full-logits functions (`truncation.support_logps`, `score_centering.sampled_and_head_logps`), values
-and the gradients of the hidden states, the head's weight and its bias.
+and the gradients of the hidden states, the head's weight and its bias, and of a low-rank term's `u` and `B` (a LoRA
+adapter on the head).
 
 Tolerances: float64 1e-10; float32 1e-5 (test_score_centering's); bfloat16 under autocast, a one-ulp flip of two bfloat16
 logits (the read id's and one in the logsumexp) on the log-probs, 4e-2 on the gradients: the head's output is rounded to bfloat16, and a tiled dot product
@@ -41,6 +42,16 @@ def problem(dtype, bias=True, seed=0):
     return hidden, weight, b, ids, support, w_out
 
 
+R = 3  # the low-rank term's rank
+
+
+def lowrank_problem(dtype, seed=1):
+    """A low-rank term: `u` `[N, R]` (what `scaling * lora_A(dropout(h))` gives) and `B` `[V, R]`."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(N, R, generator=g, dtype=torch.float64).to(dtype),
+            torch.randn(V, R, generator=g, dtype=torch.float64).to(dtype))
+
+
 def leaves(*xs):
     return [None if x is None else x.clone().requires_grad_() for x in xs]
 
@@ -51,8 +62,16 @@ def grads(out, w_out, params):
     return list(got)
 
 
-def ref_kept(hidden, weight, bias, ids, support, transform):
-    """Plain loops: z_v = transform(sum_j h_j W_vj + b_v) / tau, log pi(v | S) = z_v - log sum_{u in S} exp z_u; rows
+def head_output(hidden, weight, bias, i, v, u=None, lora_b=None):
+    """Plain loops: sum_j h_ij W_vj + b_v + sum_k u_ik B_vk."""
+    s = sum(hidden[i, j] * weight[v, j] for j in range(hidden.size(1)))
+    if u is not None:
+        s = s + sum(u[i, k] * lora_b[v, k] for k in range(u.size(1)))
+    return s + (bias[v] if bias is not None else 0.0)
+
+
+def ref_kept(hidden, weight, bias, ids, support, transform, u=None, lora_b=None):
+    """Plain loops: z_v = transform(sum_j h_j W_vj + b_v [+ sum_k u_k B_vk]) / tau, log pi(v | S) = z_v - log sum_{u in S} exp z_u; rows
     without a kept id give 0. Also the entropies of pi(. | S)."""
     rows, ents = [], []
     for i in range(hidden.size(0)):
@@ -63,8 +82,7 @@ def ref_kept(hidden, weight, bias, ids, support, transform):
             continue
 
         def z(v):
-            s = sum(hidden[i, j] * weight[v, j] for j in range(hidden.size(1)))
-            return transform(s + (bias[v] if bias is not None else 0.0)) / TEMP
+            return transform(head_output(hidden, weight, bias, i, v, u, lora_b)) / TEMP
 
         zs = {v: z(v) for v in set(kept) | set(ids[i].tolist())}
         top = max(zs[v].item() for v in kept)
@@ -75,14 +93,13 @@ def ref_kept(hidden, weight, bias, ids, support, transform):
     return torch.stack(rows), torch.tensor(ents, dtype=torch.float64)
 
 
-def ref_full(hidden, weight, bias, ids, transform):
+def ref_full(hidden, weight, bias, ids, transform, u=None, lora_b=None):
     """Plain loops over the whole vocabulary: log softmax at `ids`, and the entropy."""
     rows, ents = [], []
     for i in range(hidden.size(0)):
         zs = []
         for v in range(weight.size(0)):
-            s = sum(hidden[i, j] * weight[v, j] for j in range(hidden.size(1)))
-            zs.append(transform(s + (bias[v] if bias is not None else 0.0)))
+            zs.append(transform(head_output(hidden, weight, bias, i, v, u, lora_b)))
         zs = [x / TEMP for x in zs]
         top = max(x.item() for x in zs)
         lse = top + torch.log(sum(torch.exp(x - top) for x in zs))
@@ -152,6 +169,57 @@ def test_hand_checkable_case():
     assert full.item() == pytest.approx(1 - math.log(e + e**2 + e**3), abs=1e-14)
 
 
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("tile", [2, None])
+def test_a_lowrank_term_equals_a_float64_plain_loop_reference(full, tile):
+    """The head's output `h W^T + b + u B^T`: values and the gradients of h, W, b, u and B."""
+    transform = TRANSFORMS["all"]
+    hidden, weight, b, ids, support, w_out = problem(torch.float64)
+    u, lora_b = lowrank_problem(torch.float64)
+    params = leaves(hidden, weight, b, u, lora_b)
+    if full:
+        out, ent = full_logps(*params[:3], ids, TEMP, transform, tile=tile, lowrank=params[3:])
+    else:
+        out, ent = kept_logps(*params[:3], ids, support, TEMP, transform, tile=tile, lowrank=params[3:])
+    got = grads(out, w_out, params)
+    params = leaves(hidden, weight, b, u, lora_b)
+    if full:
+        ref, ref_ent = ref_full(*params[:3], ids, transform, *params[3:])
+    else:
+        ref, ref_ent = ref_kept(*params[:3], ids, support, transform, *params[3:])
+    want = grads(ref, w_out, params)
+    tol = dict(rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out, ref.detach(), **tol)
+    torch.testing.assert_close(ent, ref_ent, **tol)
+    assert len(got) == 5
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c, **tol)
+    without = (full_logps(hidden, weight, b, ids, TEMP, transform) if full else
+               kept_logps(hidden, weight, b, ids, support, TEMP, transform))[0]
+    assert (out - without).abs().max() > 1e-2  # the term counts
+
+
+def test_hand_checkable_lowrank_case():
+    """H = r = 1, head rows 1, 2, 3 (no bias), B rows 1, 0, -1, h = u = 1, tau = 1: every logit is 2. Over S = {0, 2}
+    log pi(0 | S) = -log 2 (-log 3 under the full softmax); gradients: in u, B_0 - (B_0 + B_2) / 2 = 1; in h,
+    W_0 - (W_0 + W_2) / 2 = -1; in B, rows 0 and 2 get (1 - 1/2) u = 1/2 and -1/2, row 1 nothing (W the same, times
+    h)."""
+    h = torch.ones(1, 1, dtype=torch.float64, requires_grad=True)
+    w = torch.tensor([[1.0], [2.0], [3.0]], dtype=torch.float64, requires_grad=True)
+    u = torch.ones(1, 1, dtype=torch.float64, requires_grad=True)
+    lora_b = torch.tensor([[1.0], [0.0], [-1.0]], dtype=torch.float64, requires_grad=True)
+    out, ent = kept_logps(h, w, None, torch.tensor([[0]]), torch.tensor([[0, 2, ABSENT]]), 1.0, lowrank=(u, lora_b))
+    assert out.item() == pytest.approx(-math.log(2), abs=1e-14)
+    assert ent.item() == pytest.approx(math.log(2), abs=1e-14)
+    out.sum().backward()
+    assert u.grad.item() == pytest.approx(1.0, abs=1e-14)
+    assert h.grad.item() == pytest.approx(-1.0, abs=1e-14)
+    assert lora_b.grad[:, 0].tolist() == pytest.approx([0.5, 0.0, -0.5], abs=1e-14)
+    assert w.grad[:, 0].tolist() == pytest.approx([0.5, 0.0, -0.5], abs=1e-14)
+    full, _ = full_logps(h.detach(), w.detach(), None, torch.tensor([[0]]), 1.0, lowrank=(u.detach(), lora_b.detach()))
+    assert full.item() == pytest.approx(-math.log(3), abs=1e-14)
+
+
 # --- against today's full-logits functions ------------------------------------------------------------------------
 
 
@@ -197,6 +265,31 @@ def test_full_logps_equal_sampled_and_head_logps_on_the_full_logits(dtype, name)
 
 
 @pytest.mark.parametrize("full", [False, True])
+def test_a_lowrank_term_in_float32_equals_the_full_logits_in_float64(full):
+    """float32 inputs against the float64 full-logits functions on the logits `h W^T + b + u B^T`, to 1e-5."""
+    hidden, weight, b, ids, support, w_out = problem(torch.float32)
+    u, lora_b = lowrank_problem(torch.float32)
+    params = leaves(hidden, weight, b, u, lora_b)
+    if full:
+        out, _ = full_logps(*params[:3], ids, TEMP, tile=4, lowrank=params[3:])
+    else:
+        out, _ = kept_logps(*params[:3], ids, support, TEMP, tile=4, lowrank=params[3:])
+    assert out.dtype == torch.float32
+    got = grads(out, w_out, params)
+    params = leaves(*(x.double() for x in (hidden, weight, b, u, lora_b)))
+    logits = torch.nn.functional.linear(params[0], params[1], params[2]) + params[3] @ params[4].t()
+    if full:
+        ref = torch.log_softmax(logits / TEMP, -1).gather(-1, ids)
+    else:
+        ref = support_logps(logits.unsqueeze(0), ids.unsqueeze(0), support.unsqueeze(0), TEMP)[0]
+        ref = torch.where((support != ABSENT).any(-1, keepdim=True), ref, torch.zeros_like(ref))
+    want = grads(ref, w_out, params)
+    torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a.double(), c, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("full", [False, True])
 def test_bfloat16_autocast_matches_the_full_logits_under_the_same_autocast(full):
     hidden, weight, b, ids, support, w_out = problem(torch.float32, seed=1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -224,27 +317,32 @@ def test_bfloat16_autocast_matches_the_full_logits_under_the_same_autocast(full)
 # --- masked values never change a result --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("lowrank", [False, True])
 @pytest.mark.parametrize("sentinel", [float("nan"), float("inf"), -float("inf"), 1e30])
-def test_masked_rows_and_absent_slots_holding_nan_or_inf_change_nothing(sentinel):
-    """Replay: a row without a kept id (5); score centering: a row outside `valid` (5, 7). Their hidden states hold
-    the sentinel; every other output and every gradient is that of a clean run, and theirs are 0."""
+def test_masked_rows_and_absent_slots_holding_nan_or_inf_change_nothing(sentinel, lowrank):
+    """Replay: a row without a kept id (5); score centering: a row outside `valid` (5, 7). Their hidden states (and,
+    with a low-rank term, their `u`) hold the sentinel; every other output and every gradient is that of a clean run,
+    and theirs are 0."""
     hidden, weight, b, ids, support, w_out = problem(torch.float64)
+    u, lora_b = lowrank_problem(torch.float64)
     valid = torch.ones(N, dtype=torch.bool)
     valid[[5, 7]] = False
     results = []
     for value in (0.0, sentinel):
         for full in (False, True):
             keep = valid if full else (support != ABSENT).any(-1)
-            dirty = hidden.clone()
+            dirty, dirty_u = hidden.clone(), u.clone()
             dirty[~keep] = value
+            dirty_u[~keep] = value
             dirty_w_out = w_out.clone()
             dirty_w_out[5] = value if math.isfinite(value) else 0.0  # an upstream gradient at a masked row
-            h, w, bb = leaves(dirty, weight, b)
+            h, w, bb, uu, lb = leaves(dirty, weight, b, dirty_u, lora_b)
+            extra = dict(lowrank=(uu, lb)) if lowrank else {}
             if full:
-                out, ent = full_logps(h, w, bb, ids, TEMP, valid=valid, tile=4)
+                out, ent = full_logps(h, w, bb, ids, TEMP, valid=valid, tile=4, **extra)
             else:
-                out, ent = kept_logps(h, w, bb, ids, support, TEMP, tile=4)
-            g = grads(out, dirty_w_out, [h, w, bb])
+                out, ent = kept_logps(h, w, bb, ids, support, TEMP, tile=4, **extra)
+            g = grads(out, dirty_w_out, [h, w, bb, *((uu, lb) if lowrank else ())])
             results.append((full, out[keep], ent[keep], out[~keep], ent[~keep], g))
     for clean, dirty in zip(results[:2], results[2:]):
         assert clean[0] == dirty[0]
@@ -259,6 +357,9 @@ def test_shapes_are_checked():
     with pytest.raises(ValueError, match=r"the head's weight must be \[V, 4\]"):
         kept_logps(torch.zeros(3, 4), torch.zeros(5, 3), None, torch.zeros(3, 1, dtype=torch.long),
                    torch.zeros(3, 2, dtype=torch.long), 1.0)
+    with pytest.raises(ValueError, match=r"lowrank must be \(u \[3, r\], lora_b \[5, r\]\), got \(3, 2\) and \(5, 3\)"):
+        kept_logps(torch.zeros(3, 4), torch.zeros(5, 4), None, torch.zeros(3, 1, dtype=torch.long),
+                   torch.zeros(3, 2, dtype=torch.long), 1.0, lowrank=(torch.zeros(3, 2), torch.zeros(5, 3)))
     with pytest.raises(ValueError, match=r"support_ids must be \[3, \*\]"):
         kept_logps(torch.zeros(3, 4), torch.zeros(5, 4), None, torch.zeros(3, 1, dtype=torch.long),
                    torch.zeros(2, 2, dtype=torch.long), 1.0)

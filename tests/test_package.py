@@ -176,20 +176,33 @@ def test_vllm_generation_members_the_package_uses():
     assert "self.vllm_generation = VLLMGeneration(" in init and "self._last_loaded_step" in init
 
 
+def test_the_server_url_checked_at_construction_is_the_one_trls_client_uses():
+    """`trl_rpp.server_sync.server_url` repeats how TRL makes the server's URL (`VLLMGeneration._init_vllm`,
+    `VLLMClient.__init__`): the construction check must ask the server TRL's client will use."""
+    from trl.generation.vllm_client import VLLMClient
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    assert 'base_url = f"http://{self.server_host}:{self.server_port}"' in inspect.getsource(VLLMGeneration._init_vllm)
+    client = inspect.getsource(VLLMClient.__init__)
+    assert 'scheme = parsed_url.scheme or "http"' in client
+    assert 'self.base_url = f"{scheme}://{parsed_url.netloc}{parsed_url.path}"' in client
+
+
 def test_the_vllm_branch_that_trainer_utils_copies_is_unchanged():
-    """`generate_vllm_with_topk` is GRPO's vLLM branch of `_generate_single_turn` keeping the top-k lists: a keyword
-    TRL adds to its `generate` call (a new multimodal input, say) must be added there too, not silently dropped."""
+    """`vllm_generate` (under `generate_vllm_with_topk`) is GRPO's vLLM branch of `_generate_single_turn` up to the
+    engine's answer: a keyword TRL adds to its `generate` call (a new multimodal input, say) must be added there too,
+    not silently dropped."""
     from trl import GRPOTrainer
 
-    from trl_rpp.trainer_utils import generate_vllm_with_topk
+    from trl_rpp.trainer_utils import vllm_generate
 
     [theirs] = _calls_of(GRPOTrainer._generate_single_turn, "self.vllm_generation.generate")
-    [ours] = _calls_of(generate_vllm_with_topk, "trainer.vllm_generation.generate")
+    [ours] = _calls_of(vllm_generate, "trainer.vllm_generation.generate")
     assert sorted(k.arg for k in theirs.keywords) == sorted(k.arg for k in ours.keywords) == [
         "images", "num_generations", "profiler", "prompts"]  # fmt: skip
     assert not theirs.args and not ours.args
     [sync] = _calls_of(GRPOTrainer._generate_single_turn, "self.vllm_generation.sync_weights")
-    assert _calls_of(generate_vllm_with_topk, "trainer.vllm_generation.sync_weights")
+    assert _calls_of(vllm_generate, "trainer.vllm_generation.sync_weights")
 
 
 def test_tool_suffix_reads_only_what_the_tool_model_stand_in_has():

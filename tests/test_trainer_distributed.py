@@ -128,3 +128,34 @@ def test_two_process_replayed_gradient_equals_the_float64_reference(runs, tiny_m
     alone = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
     ref_step_loss(alone, [ranks[0]["loss_inputs"][0]], args).backward()
     assert any(not torch.allclose(p.grad, want[n], rtol=1e-3, atol=1e-5) for n, p in alone.named_parameters())
+
+
+def test_two_process_lora_head_gradient_equals_the_float64_reference(runs, tiny_model):
+    """The replay case with a LoRA adapter on lm_head (and attention): the adapter's gradient each rank steps with
+    (after DDP's all-reduce) is that of the float64 reference on PEFT's own full logits over both ranks' responses."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from dist_trainer_script import LORA_HEAD
+    from test_replay import ref_step_loss
+
+    ranks = runs["reinforce_plus_plus_baseline", "lora_head"]
+    assert [len(r["grads"]) for r in ranks] == [1, 1]
+    grads = ranks[0]["grads"][0]
+    assert {n for n in grads if "lm_head" in n} == {"base_model.model.lm_head.lora_A.default.weight",
+                                                    "base_model.model.lm_head.lora_B.default.weight"}
+    for name, g in grads.items():
+        assert torch.equal(g, ranks[1]["grads"][0][name]), name  # all-reduced: the same on both ranks
+    model64 = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64),
+                             LoraConfig(**LORA_HEAD))
+    with torch.no_grad():
+        for name, p in model64.named_parameters():
+            if p.requires_grad:
+                p.copy_(ranks[0]["init"][name])
+    model64.train()
+    ref_step_loss(model64, [r["loss_inputs"][0] for r in ranks], ranks[0]["args"]).backward()
+    want = {n: p.grad for n, p in model64.named_parameters() if p.grad is not None}
+    assert set(want) == set(grads)
+    assert grads["base_model.model.lm_head.lora_B.default.weight"].abs().max() > 0
+    for name, g in grads.items():
+        torch.testing.assert_close(g.double(), want[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -752,13 +752,22 @@ def test_two_processes_train_against_one_server(tmp_path_factory, vllm_model, vl
 
 def test_a_restarted_server_is_synced_before_the_first_generation(tmp_path_factory, vllm_model, vllm_server):
     """The server killed after step 2: step 3's sync fails with the named error, checkpoint-2 intact. Restarted
-    without dev mode, a resumed run is refused at construction, naming the fix; restarted with it, the resumed run
+    without dev mode, a resumed run is refused at construction, naming the fix, with one process and with two (both
+    raise the same error, within seconds, neither left waiting at a collective); restarted with it, the resumed run
     syncs the new server (which loaded the initial weights) before its first generation."""
     run = server_runs("restart", tmp_path_factory, vllm_model, vllm_server)["restart"]
     check_sync_failure(run["failure"], "cannot be reached to read the probe")
     check_saved_weights({**run, "sync_probes": run["first_probes"]})
     refused = run["refused"]
     assert refused["status"] == 404 and "VLLM_SERVER_DEV_MODE=1" in refused["error"], refused
+    launched = run["refused_dist"]
+    print(f"\nrefused by two processes: launch {launched['seconds']:.0f} s, construction "
+          f"{[round(r['seconds'], 2) for r in launched['ranks'].values()]} s")
+    assert set(launched["ranks"]) == {"0", "1"}, launched  # one killed at the time limit wrote nothing
+    for r in launched["ranks"].values():
+        assert r["processes"] == 2 and r["type"] == "ServerWeightSyncError" and r["status"] == 404, launched
+        assert r["error"] == refused["error"] and r["seconds"] < 30.0, launched  # the one-process run's error
+    assert launched["finished"] == ["finished_rank0", "finished_rank1"], launched
     assert run["resumed_steps"] == [1, 2, 3, 4], run["resumed_steps"]
     first = run["resumed_probes"][0]
     assert first["step"] == 2 and gap(first["engine"], first["trainer"]) <= LOGP_ATOL

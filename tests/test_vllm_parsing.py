@@ -279,3 +279,53 @@ def test_weight_function_matches_trls_token_correction(mode, lo, hi):
         want = ratio.masked_fill((ratio < (lo if lo is not None else -math.inf)) | (ratio > hi), 0.0)
     torch.testing.assert_close(f(ratio), want)
     assert importance_weight_fn(NS(use_vllm=False)) is None
+
+
+class AnsweringEngine:
+    """Stands in for TRL's `VLLMGeneration`: `generate` returns `answer` (its 4-tuple) or raises it."""
+
+    def __init__(self, answer):
+        self.answer, self.synced = answer, 0
+
+    def sync_weights(self):
+        self.synced += 1
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def topk_trainer(engine):
+    """An `RPPTrainer` holding only what its vLLM top-k generation reads (no model, no engine start)."""
+    from trl_rpp import RPPTrainer
+    from trl_rpp.engine_faults import EngineFaults
+
+    trainer = object.__new__(RPPTrainer)
+    trainer.use_vllm, trainer._rpp_width, trainer._rpp_engine_faults = True, 2, EngineFaults()
+    trainer.vllm_generation, trainer.eos_token_ids, trainer._rpp_captures = engine, [0], []
+    trainer.state, trainer._last_loaded_step = NS(global_step=1), 0
+    trainer.args, trainer.accelerator = NS(report_to=[]), NS(is_main_process=True)
+    return trainer
+
+
+def test_a_parsing_error_is_not_reported_as_the_engines_failure():
+    """The engine guard holds the engine's calls only: an answer our parser rejects (here a position whose lists lack
+    the sampled token) raises the parser's own error, not an empty completion kept as the engine's failure."""
+    prompts = [[5, 6]]
+    answer = (prompts, [[7, 8]], [[[-0.1, -2.0], [-0.3, -1.5]]], [[[7, 3], [4, 3]]])  # token 8 is not in its list
+    trainer = topk_trainer(AnsweringEngine(answer))
+    with pytest.raises(ValueError, match="position 1 do not include the sampled token 8"):
+        trainer._generate_single_turn(prompts, None, None, 1)
+    assert trainer._rpp_engine_faults.failure is None and trainer.vllm_generation.synced == 1
+
+    fixed = (prompts, [[7, 3]], answer[2], answer[3])  # the same lists, well-formed: parsed, nothing recorded
+    trainer = topk_trainer(AnsweringEngine(fixed))
+    completion_ids, sampled = trainer._generate_single_turn(prompts, None, None, 1)
+    assert completion_ids == [[7, 3]] and sampled == [[-0.1, -1.5]] and len(trainer._rpp_captures) == 1
+    assert trainer._rpp_engine_faults.failure is None
+
+    died = RuntimeError("the engine died")  # the engine's own failure: one EOS per prompt, kept for settle
+    trainer = topk_trainer(AnsweringEngine(died))
+    assert trainer._generate_single_turn(prompts, None, None, 1) == ([[0]], [[0.0]])
+    assert trainer._rpp_engine_faults.failure is died and trainer._rpp_captures == []

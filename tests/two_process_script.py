@@ -7,21 +7,51 @@ OUTDIR/<part>/; the parts run one after the other in both processes.
 
 - trainer: tests/dist_trainer_script.py's cases (tests/test_trainer_distributed.py);
 - grad_guard_skip, grad_guard_stop: tests/grad_guard_script.py (tests/test_grad_guard.py);
-- multi_turn: tests/multi_turn_script.py (tests/test_multi_turn.py).
+- multi_turn: tests/multi_turn_script.py (tests/test_multi_turn.py);
+- server_unreachable: `server_unreachable` below (tests/test_server_sync.py).
 """
 
+import json
 import os
+import socket
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dist_trainer_script  # noqa: E402
 import grad_guard_script  # noqa: E402
 import multi_turn_script  # noqa: E402
-from trainer_helpers import finish_launched  # noqa: E402
+from trainer_helpers import finish_launched, length_reward, make_args  # noqa: E402
+
+
+def server_unreachable(outdir, model_path):
+    """Each process builds a trainer whose vLLM server (`vllm_server_weight_sync="disk"`) refuses every connection:
+    what it raised, and how long after the start of the construction. The port is bound but not listening."""
+    from pathlib import Path
+
+    from trl_rpp import RPPTrainer
+    from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        args = make_args(Path(outdir), "reinforce_plus_plus", use_vllm=True, vllm_mode="server",
+                         vllm_server_base_url=f"http://127.0.0.1:{held.getsockname()[1]}", vllm_server_timeout=1.0,
+                         vllm_server_weight_sync="disk", vllm_server_weight_dir=os.path.join(outdir, "weights"))
+        start = time.monotonic()
+        try:
+            RPPTrainer(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
+                       train_dataset=copy_task_dataset(16))
+            result = {"type": None}
+        except Exception as err:
+            result = {"type": type(err).__name__, "error": str(err), "status": getattr(err, "status", None)}
+    result.update(seconds=time.monotonic() - start, processes=args.world_size)
+    with open(os.path.join(outdir, f"rank{args.process_index}.json"), "w") as f:
+        json.dump(result, f)
 
 # grad_guard_stop last: its training ends in NonFiniteGradientError on both processes (caught and recorded).
 PARTS = {
+    "server_unreachable": lambda out, model, eos: server_unreachable(out, model),
     "trainer": lambda out, model, eos: dist_trainer_script.main(out, model, eos, *dist_trainer_script.CASES),
     "grad_guard_skip": lambda out, model, eos: grad_guard_script.main(out, model, "skip"),
     "multi_turn": lambda out, model, eos: multi_turn_script.main(out, model),

@@ -9,7 +9,8 @@ are read next to the trainer's current policy's (`ServerProbingTrainer._probe_sy
     accelerate launch --config_file ddp.yaml --num_processes 2 vllm_server_script.py OUTDIR MODEL URL PGID CASES
 
 The last case, `restart`, kills the server (SERVER_PGID) and starts its own from the JSON command in
-$RPP_TEST_SERVER_CMD: first without dev mode, then with it.
+$RPP_TEST_SERVER_CMD: first without dev mode, then with it. Against the server without dev mode it also launches
+two processes (`refused_dist`, this script under `accelerate launch`) that only build a trainer.
 """
 
 import gc
@@ -30,8 +31,12 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import vllm_engine_script as colocated  # noqa: E402
-from trainer_helpers import finish_launched  # noqa: E402
+from trainer_helpers import LAUNCH_ENV, finish_launched, launch_command, length_reward  # noqa: E402
 from vllm_engine_script import PROBE_TEXT, ProbingTrainer, policy_logps, tensors_to_lists  # noqa: E402
+
+DDP_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                          "accelerate_configs", "ddp.yaml")
+REFUSED_TIMEOUT_S = 240  # a process left waiting at a collective fails the test instead of blocking CI
 
 
 def server_logps(url, ids):
@@ -96,6 +101,8 @@ CASES = {
                                                           gradient_accumulation_steps=2), False),
     # Killed after checkpoint-2; restarted without dev mode (refused), then with it: the resumed run syncs.
     "restart": ("reinforce_plus_plus", dict(max_steps=4, save_strategy="steps", save_steps=2), False),
+    # Two processes build a trainer against the restarted server without dev mode (launched by `restart`).
+    "refused_dist": ("reinforce_plus_plus", dict(max_steps=4), False),
     "dist_disk": ("reinforce_plus_plus", dict(max_steps=2, kl_coef=0.05), False),
     # Two processes: the server stops answering after step 2; both processes raise the same error.
     "dist_stopped": ("reinforce_plus_plus_baseline", dict(max_steps=4, save_strategy="steps", save_steps=2,
@@ -264,11 +271,12 @@ def restart(outdir, name, initial_probe):
     start = time.monotonic()
     proc = start_server(dev_mode=False)
     result["restart_seconds"] = time.monotonic() - start
-    try:
-        build(outdir, name, initial_probe, vllm_importance_sampling_correction=False)
+    try:  # importance sampling on: TRL's own check of the server would raise on process 0 alone
+        build(outdir, name, initial_probe)
         raise AssertionError("a server without dev mode was accepted")
     except ServerWeightSyncError as err:
         result["refused"] = {"error": str(err), "status": err.status}
+    result["refused_dist"] = launch_refused(outdir)
     stop_server(proc)
     proc = start_server(dev_mode=True)
     try:
@@ -279,6 +287,47 @@ def restart(outdir, name, initial_probe):
     finally:
         stop_server(proc)
     return result
+
+
+def launch_refused(outdir):
+    """Two processes (ddp.yaml, gloo) that each build a trainer against the server (`refused`): what each raised. A
+    launch still running after REFUSED_TIMEOUT_S (a process waiting at a collective) is killed and reported."""
+    out = os.path.join(outdir, "refused_dist")
+    os.makedirs(out)
+    cmd = launch_command(os.path.abspath(__file__), out, MODEL, URL, "0", "refused_dist", config_file=DDP_CONFIG)
+    proc = subprocess.Popen(cmd, env=dict(os.environ, **LAUNCH_ENV, DS_ACCELERATOR="cpu"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    start = time.monotonic()
+    try:
+        output, _ = proc.communicate(timeout=REFUSED_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    ranks = {}
+    for r in (0, 1):
+        path = os.path.join(out, f"refused_dist_rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                ranks[r] = json.load(f)
+    return {"ranks": ranks, "seconds": time.monotonic() - start, "returncode": proc.returncode,
+            "finished": sorted(n for n in os.listdir(out) if n.startswith("finished_rank")), "output": output[-3000:]}
+
+
+def refused(outdir, name):
+    """This process builds a trainer against the server, nothing more: what it raised, and how long it took."""
+    from trl_rpp import RPPTrainer
+    from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
+
+    estimator, overrides, _ = CASES[name]
+    args = make_config(outdir, name, estimator, overrides)
+    start = time.monotonic()
+    try:
+        RPPTrainer(model=MODEL, reward_funcs=[copy_first_char_reward, length_reward], args=args,
+                   train_dataset=copy_task_dataset(64, seed=1))
+        result = {"type": None}
+    except Exception as err:  # whatever it is, the test names it
+        result = {"type": type(err).__name__, "error": str(err), "status": getattr(err, "status", None)}
+    return {**result, "seconds": time.monotonic() - start, "processes": args.world_size}
 
 
 def trained(outdir, name, initial_probe):
@@ -312,9 +361,13 @@ def main():
     global MODEL, URL, PGID, SERVER_INFO
     outdir, MODEL, URL, pgid, names = sys.argv[1:6]
     PGID = int(pgid)
+    rank = int(os.environ.get("RANK", "0"))
+    if names == "refused_dist":  # a server without dev mode: no /server_info, no probe
+        with open(os.path.join(outdir, f"{names}_rank{rank}.json"), "w") as f:
+            json.dump(refused(outdir, names), f)
+        return
     SERVER_INFO = requests.get(f"{URL}/server_info", params={"config_format": "json"}, timeout=30).json()[
         "vllm_config"]
-    rank = int(os.environ.get("RANK", "0"))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     probe_ids = AutoTokenizer.from_pretrained(MODEL)(PROBE_TEXT, add_special_tokens=False)["input_ids"]

@@ -29,6 +29,7 @@ import errno
 import json
 import logging
 import os
+import pickle
 import re
 import zipfile
 from dataclasses import dataclass
@@ -174,7 +175,8 @@ def load_generation_buffer(folder: str, rank: int, required: bool, map_location=
     """`(buffered_inputs, step)` from `folder` where the checkpoint falls inside a generation batch (`required`, see
     `buffer_needed`); None elsewhere, without reading anything.
 
-    Raises `DamagedCheckpointError` naming the file when it is missing or unreadable.
+    Raises `DamagedCheckpointError` naming the file when it is missing, or cut short or garbled (`_load_damage`);
+    any other error of `torch.load` (a device error, out of memory) propagates as it is, with a note naming the file.
     """
     if not required:
         return None
@@ -187,11 +189,51 @@ def load_generation_buffer(folder: str, rank: int, required: bool, map_location=
         map_location = "cpu"
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
-        return state["buffer"], int(state["step"])
-    except Exception as err:  # torch raises OSError, RuntimeError, EOFError, UnpicklingError... for a damaged file
+    except Exception as err:
+        damage = _load_damage(path, err)
+        if damage is None:  # a device error, out of memory, an I/O error: the file may be intact, so not "delete it"
+            _add_note(err, f"(while loading {path}, the generation buffer of the checkpoint {folder}; the file itself "
+                           "shows no damage, so the checkpoint is not reported damaged)")
+            raise
+        raise _damaged(folder, path, damage) from err
+    if not (isinstance(state, dict) and "buffer" in state and "step" in state):
+        raise _damaged(folder, path, "it holds no 'buffer' and 'step'")
+    return state["buffer"], int(state["step"])
+
+
+# What torch 2.13's `torch.load` raises for a truncated, garbled or empty file (measured on every truncation of a
+# buffer, random bytes and single flipped bytes). The first three come only from parsing the bytes; the others also
+# mean a device error (CUDA errors and `torch.OutOfMemoryError` are RuntimeErrors), an I/O error or a bug, so for
+# those the file's own zip structure decides.
+_PARSE_ERRORS = (EOFError, pickle.UnpicklingError, UnicodeDecodeError)
+_AMBIGUOUS_ERRORS = (OSError, RuntimeError, IndexError, KeyError)
+
+
+def _load_damage(path: str, err: Exception) -> str | None:
+    """Why `torch.load(path)`, which raised `err`, failed because the file is damaged, in a few words; None when
+    the damage is not shown (the error propagates as it is). The buffer is always a zip (torch.save's format) whose
+    members carry CRC-32s, so an ambiguous error is damage only when Python's `zipfile` finds the file broken."""
+    if isinstance(err, _PARSE_ERRORS):
         # Only torch's first sentence: the rest can advise weights_only=False, which is not the fix here.
         reason = (str(err).strip().splitlines() or [""])[0].split(". ")[0][:160]
-        raise _damaged(folder, path, f"{type(err).__name__}: {reason}") from err
+        return f"{type(err).__name__}: {reason}"
+    if not isinstance(err, _AMBIGUOUS_ERRORS):
+        return None
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()  # reads every member and checks its CRC-32
+    except OSError:  # the zip check could not read the file either: no proof of damage
+        return None
+    except Exception as zip_err:  # BadZipFile, and the ValueError, EOFError... zipfile raises on a garbled header
+        return f"{type(err).__name__}, not a readable zip ({type(zip_err).__name__}: {zip_err})"
+    return None if bad is None else f"{type(err).__name__}, {bad} fails its CRC-32 check"
+
+
+def _add_note(err: BaseException, note: str) -> None:
+    if hasattr(err, "add_note"):  # Python 3.11+: shown under the traceback
+        err.add_note(note)
+    else:
+        logger.error(note)
 
 
 def _damaged(folder: str, path: str, reason: str) -> DamagedCheckpointError:

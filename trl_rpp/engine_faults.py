@@ -15,6 +15,10 @@ empty completions, which TRL broadcasts, and the others reach the broadcast. The
 request (`RPPConfig.vllm_server_request_timeout`; TRL's sets none), and a request that timed out or failed
 mid-answer is not sent again (TRL's client would send it up to 5 more times, with 60 s of back-off between them).
 
+Only the engine's calls are guarded. With the sampler's top-k lists (score centering, a replayed truncation),
+`trainer_utils.generate_vllm_with_topk` guards the sync and the generation and parses the answer outside, so a bug in
+our parsing propagates as itself; otherwise the guard holds TRL's vLLM branch, which only keeps the sampled log-prob.
+
 Not covered: a failure inside the weight sync under ZeRO-3 or FSDP, after some processes entered its gathers (those
 wait for the backend's timeout).
 """
@@ -47,15 +51,20 @@ class EngineFaults:
         if self.failure is None:
             self.failure = err
 
-    def guard(self, trainer, generate, prompt_ids):
-        """`generate()`, or, when it raises, one EOS per prompt (and a log-prob of 0 for it) so that this process
-        reaches TRL's collectives; the first failure of the batch is kept for `settle`."""
+    def call(self, engine):
+        """`engine()`, or None when it raises; the first failure of the batch is kept for `settle`. `engine` holds the
+        engine's calls only, so that an error in what we do with its answer is not reported as the engine's."""
         try:
-            return generate()
+            return engine()
         except Exception as err:  # not KeyboardInterrupt or SystemExit: those stop the run as they are
             self.record(err)
-            eos = first_eos(trainer)
-            return [[eos] for _ in prompt_ids], [[0.0] for _ in prompt_ids]
+            return None
+
+    def guard(self, trainer, generate, prompt_ids):
+        """`generate()` (TRL's vLLM branch, which has the engine's calls), or, when it raises, one EOS per prompt
+        so that this process reaches TRL's collectives (`call`)."""
+        out = self.call(generate)
+        return empty_completions(trainer, prompt_ids) if out is None else out
 
     def settle(self, trainer):
         """After TRL's `_generate` on every process: raise the same `GenerationEngineError` everywhere when any
@@ -76,6 +85,13 @@ class EngineFaults:
             reports = [(0, repr(failure))]
         process, cause = next(r for r in reports if r is not None)
         raise GenerationEngineError(message(trainer, process, cause)) from failure
+
+
+def empty_completions(trainer, prompt_ids):
+    """`_generate_single_turn`'s ``(completion_ids, logprobs)`` for a failed engine call: one EOS per prompt, with a
+    log-prob of 0; nothing is trained on them (`EngineFaults.settle` raises first)."""
+    eos = first_eos(trainer)
+    return [[eos] for _ in prompt_ids], [[0.0] for _ in prompt_ids]
 
 
 def first_eos(trainer) -> int:

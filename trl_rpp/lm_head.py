@@ -1,25 +1,30 @@
 """Log-probs read from the final hidden states and the LM head in tiles of positions, never as `[N, V]` logits.
 
-A causal LM's logits at a position are `transform(h W^T + b)`, `h` the final hidden state, `W` `[V, H]` the head's
-weight, `b` its optional bias and `transform` the elementwise steps some models apply after the head (`HeadTransform`:
+A causal LM's logits at a position are `transform(h W^T + b + u B^T)`, `h` the final hidden state, `W` `[V, H]` the
+head's weight, `b` its optional bias, `u B^T` an optional low-rank term (a LoRA adapter on the head: `u = scaling *
+lora_A(dropout(h))` `[r]`, computed by the caller with autograd, `B` `[V, r]` its `lora_B` weight) and `transform` the
+elementwise steps some models apply after the head (`HeadTransform`:
 Cohere's `logit_scale`, Granite's `logits_scaling`, Gemma 2's `final_logit_softcapping`). Being elementwise, they
 commute with reading a subset of the head's rows, so
 
-- **replay** (`kept_logps`): `log pi(v | S) = z_v / tau - logsumexp_{u in S} z_u / tau` needs only the head rows of
-  the kept ids `S` (`K` per position): `O(N * K * H)` work and memory, no tensor of the vocabulary's size;
+- **replay** (`kept_logps`): `log pi(v | S) = z_v / tau - logsumexp_{s in S} z_s / tau` needs only the head rows of
+  the kept ids `S` (`K` per position; of `W`, `b` and `B`): `O(N * K * (H + r))` work and memory, no tensor of the
+  vocabulary's size besides the parameters' gradients;
 - **score centering without truncation** (`full_logps`): the sampled and head ids' log-probs under the full softmax,
   `logsumexp_V` taken one tile of positions at a time: `O(tile * V)` memory besides the `O(N * n)` outputs.
 
 Both run through `_TiledHead`, which saves only its inputs: its backward recomputes each tile's logits, takes their
 gradient through the elementwise part with autograd (so every transform is differentiated exactly as the model's
-forward would be), and applies the head's linear map by hand, accumulating the gradients of `h`, `W` and `b` in
-float32 (float64 for float64 inputs). When replay's gradient of `W` (or `b`) is added into a dense `.grad` the
+forward would be), and applies the head's linear map by hand, accumulating the gradients of `h`, `W`, `b`, `u` and
+`B` in float32 (float64 for float64 inputs). When replay's gradient of `W` (or `b`) is added into a dense `.grad` the
 parameter already holds (gradient accumulation), it is accumulated over the touched rows only and returned as a
 sparse COO tensor (`touched_rows`, `sparse_rows_gradient`), which autograd adds in place: no `[V, H]` buffer;
 otherwise it is the dense tensor that becomes `.grad`. Rows outside `valid` (and, for replay, rows without any kept
-id) read a zero hidden state: their outputs are 0 and their gradients exactly 0, whatever NaN or Inf they hold.
+id) read a zero hidden state (and `u`): their outputs are 0 and their gradients exactly 0, whatever NaN or Inf they
+hold.
 
-Shapes: `N` flattened positions, `H` hidden size, `V` vocabulary, `K` kept-id slots (`ABSENT`-padded), `n` ids read.
+Shapes: `N` flattened positions, `H` hidden size, `V` vocabulary, `K` kept-id slots (`ABSENT`-padded), `n` ids read,
+`r` the low-rank term's rank.
 The functions here are pure; `trl_rpp.replay` wires them into a model's forward.
 """
 
@@ -57,7 +62,7 @@ class HeadTransform:
 IDENTITY = HeadTransform()
 
 
-def kept_logps(hidden, weight, bias, ids, support_ids, temperature, transform=IDENTITY, tile=None):
+def kept_logps(hidden, weight, bias, ids, support_ids, temperature, transform=IDENTITY, tile=None, lowrank=None):
     """`log pi(v | S)` at `ids`, renormalized over the kept ids, and the entropy of `pi(. | S)`, from the head rows of
     `ids` and `S` only.
 
@@ -70,19 +75,24 @@ def kept_logps(hidden, weight, bias, ids, support_ids, temperature, transform=ID
         temperature: the sampler's temperature, `> 0`.
         transform: the model's post-head steps (`HeadTransform`).
         tile: positions per tile; by default as many as fit `TILE_ELEMENTS` head-row elements.
+        lowrank: None, or `(u [N, r], lora_b [V, r])`: the head's output gains `u lora_b^T` (a LoRA adapter's term,
+            `u = scaling * lora_A(dropout(hidden))`; several adapters: their `u` and `lora_b` concatenated along `r`).
 
     Returns:
         `(logps [N, n], entropies [N])`, float32 (float64 for float64 hidden states); `logps` carry the gradient to
-        `hidden`, `weight` and `bias`, the entropies none. Both are 0 at a row without any kept id.
+        `hidden`, `weight`, `bias` and the low-rank `u` and `lora_b`, the entropies none. Both are 0 at a row without
+        any kept id.
     """
-    _check(hidden, weight, bias, ids, support_ids)
-    tile = tile or max(1, TILE_ELEMENTS // ((ids.size(1) + support_ids.size(1)) * hidden.size(1)))
-    return _TiledHead.apply(hidden, weight, bias, ids, support_ids, None, float(temperature), transform, int(tile))
+    u, lora_b = _check(hidden, weight, bias, ids, support_ids, lowrank)
+    width = hidden.size(1) + (0 if u is None else u.size(1))
+    tile = tile or max(1, TILE_ELEMENTS // ((ids.size(1) + support_ids.size(1)) * width))
+    return _TiledHead.apply(hidden, weight, bias, ids, support_ids, None, float(temperature), transform, int(tile),
+                            u, lora_b)
 
 
-def full_logps(hidden, weight, bias, ids, temperature, transform=IDENTITY, valid=None, tile=None):
-    """`log softmax(transform(h W^T + b) / tau)` at `ids` and the full-vocabulary entropy, one tile of positions at a
-    time: what `trl_rpp.score_centering.sampled_and_head_logps` returns from the `[B, T, V]` logits.
+def full_logps(hidden, weight, bias, ids, temperature, transform=IDENTITY, valid=None, tile=None, lowrank=None):
+    """`log softmax(transform(h W^T + b [+ u B^T]) / tau)` at `ids` and the full-vocabulary entropy, one tile of
+    positions at a time: what `trl_rpp.score_centering.sampled_and_head_logps` returns from the `[B, T, V]` logits.
 
     Args:
         hidden: `[N, H]` final hidden states.
@@ -92,17 +102,19 @@ def full_logps(hidden, weight, bias, ids, temperature, transform=IDENTITY, valid
         transform: the model's post-head steps (`HeadTransform`).
         valid: `[N]` bool, the positions read (None: all); the others give 0.
         tile: positions per tile; by default as many as fit `TILE_ELEMENTS` logits.
+        lowrank: None, or `(u [N, r], lora_b [V, r])` as in `kept_logps`, added to each tile's logits.
 
     Returns:
         `(logps [N, n], entropies [N])` as `kept_logps`; the entropies (TRL's `entropy_from_logits`) carry no gradient.
         Memory: `O(tile * V)` in the forward and the backward besides the outputs and the parameters' gradients.
     """
-    _check(hidden, weight, bias, ids, None)
+    u, lora_b = _check(hidden, weight, bias, ids, None, lowrank)
     tile = tile or max(1, TILE_ELEMENTS // weight.size(0))
-    return _TiledHead.apply(hidden, weight, bias, ids, None, valid, float(temperature), transform, int(tile))
+    return _TiledHead.apply(hidden, weight, bias, ids, None, valid, float(temperature), transform, int(tile), u, lora_b)
 
 
-def _check(hidden, weight, bias, ids, support_ids):
+def _check(hidden, weight, bias, ids, support_ids, lowrank=None):
+    """Raise on inconsistent shapes; return the low-rank `(u, lora_b)`, or `(None, None)`."""
     N, H = hidden.shape
     if weight.dim() != 2 or weight.size(1) != H or (bias is not None and bias.shape != weight.shape[:1]):
         raise ValueError(f"the head's weight must be [V, {H}] and its bias [V] or None, got "
@@ -110,6 +122,13 @@ def _check(hidden, weight, bias, ids, support_ids):
     for name, x in (("ids", ids), ("support_ids", support_ids)):
         if x is not None and (x.dim() != 2 or x.size(0) != N):
             raise ValueError(f"{name} must be [{N}, *] (one row per hidden state), got {tuple(x.shape)}")
+    if lowrank is None:
+        return None, None
+    u, lora_b = lowrank
+    if u.dim() != 2 or u.size(0) != N or lora_b.shape != (weight.size(0), u.size(1)):
+        raise ValueError(f"lowrank must be (u [{N}, r], lora_b [{weight.size(0)}, r]), got {tuple(u.shape)} and "
+                         f"{tuple(lora_b.shape)}")
+    return u, lora_b
 
 
 def touched_rows(ids, support_ids):
@@ -214,19 +233,22 @@ class _TiledHead(torch.autograd.Function):
     """`kept_logps` (`support_ids` given) or `full_logps`; saves its inputs only, recomputes each tile backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, support_ids, valid, temperature, transform, tile):
+    def forward(ctx, hidden, weight, bias, ids, support_ids, valid, temperature, transform, tile, u=None, lora_b=None):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         acc = _accum_dtype(hidden)
         outs, ents = [], []
         with torch.autocast(device, enabled=False):  # dtypes set explicitly, the same in the backward
             for start in range(0, hidden.size(0), tile):
-                h, rows, present, ok, cols = _tile_inputs(hidden, ids, support_ids, valid, slice(start, start + tile))
+                sl = slice(start, start + tile)
+                h, rows, present, ok, cols = _tile_inputs(hidden, ids, support_ids, valid, sl)
                 z, _ = _project(h, weight, bias, rows, dtype)
+                if u is not None:
+                    z = z + _project(_masked(u, ok, sl), lora_b, None, rows, dtype)[0]
                 out, ent = _read(z, cols, present, ok, temperature, transform, acc, entropy=True)
                 outs.append(out)
                 ents.append(ent)
-        ctx.save_for_backward(hidden, weight, bias, ids, support_ids, valid)
+        ctx.save_for_backward(hidden, weight, bias, ids, support_ids, valid, u, lora_b)
         ctx.args = (temperature, transform, tile, dtype, acc)
         entropies = torch.cat(ents) if ents else hidden.new_zeros(0, dtype=acc)
         ctx.mark_non_differentiable(entropies)
@@ -236,11 +258,16 @@ class _TiledHead(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_entropies):
         from trl.trainer.utils import maybe_gather_lm_head_ctx  # ZeRO-3: the head's partitioned weight, gathered
 
-        hidden, weight, bias, ids, support_ids, valid = ctx.saved_tensors
+        hidden, weight, bias, ids, support_ids, valid, u, lora_b = ctx.saved_tensors
         temperature, transform, tile, dtype, acc = ctx.args
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need_u, need_lb = ctx.needs_input_grad[9:11]
         grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
-        with maybe_gather_lm_head_ctx(weight, bias):
+        grad_u = torch.zeros(u.shape, dtype=acc, device=u.device) if need_u else None
+        # ZeRO-3 gathers parameters only; several adapters' B is a concatenation, saved whole.
+        with maybe_gather_lm_head_ctx(weight, bias, lora_b if isinstance(lora_b, torch.nn.Parameter) else None):
+            grad_lb = torch.zeros(lora_b.shape, dtype=acc, device=lora_b.device) if need_lb else None
+            b_acc = lora_b.to(acc) if need_u and support_ids is None else None
             # Replay into a held dense `.grad`: the touched rows only, no [V, H] buffer. Into None the dense gradient
             # becomes `.grad`; its rows need no `torch.unique` (a host sync on a GPU).
             sparse_w = need_w and support_ids is not None and _adds_into_dense_grad(weight)
@@ -258,12 +285,19 @@ class _TiledHead(torch.autograd.Function):
                 h, rows, present, ok, cols = _tile_inputs(hidden, ids, support_ids, valid, sl)
                 with torch.no_grad():
                     z, w = _project(h, weight, bias, rows, dtype)
+                    if u is not None:
+                        ut = _masked(u, ok, sl)
+                        zl, wl = _project(ut, lora_b, None, rows, dtype)
+                        z = z + zl
+                        ut = ut.to(acc)
                 z.requires_grad_()
                 with torch.enable_grad():
                     out, _ = _read(z, cols, present, ok, temperature, transform, acc, entropy=False)
                     (g,) = torch.autograd.grad(out, z, grad_out[sl])
                 g = g.to(acc)
                 h = h.to(acc)
+                if u is not None:  # the low-rank term is one more linear map: u -> u B^T
+                    _lowrank_grads(g, ut, wl, b_acc, rows, sl, grad_u, grad_lb)
                 if rows is None:
                     if need_h:
                         grad_h[sl] = g @ w_acc
@@ -286,4 +320,25 @@ class _TiledHead(torch.autograd.Function):
         if grad_h is not None:  # rows outside `valid` read a zero state: no gradient reaches what they held
             grad_h = grad_h.to(hidden.dtype)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None,
+                None if grad_u is None else grad_u.to(u.dtype), None if grad_lb is None else grad_lb.to(lora_b.dtype))
+
+
+def _masked(x, ok, sl):
+    """`x[sl]` with the rows outside `ok` zeroed (what they hold never reaches a result or a gradient)."""
+    return torch.where(ok.unsqueeze(-1), x[sl], torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _lowrank_grads(g, u, b_rows, b_acc, rows, sl, grad_u, grad_lb):
+    """Accumulate one tile's gradients of the low-rank term `u B^T` from `g`, the gradient of the head's output
+    (`[t, V]`, or `[t, M]` at the ids `rows` `[t, M]` whose `B` rows are `b_rows` `[t, M, r]`); `u` `[t, r]`."""
+    if rows is None:
+        if grad_u is not None:
+            grad_u[sl] = g @ b_acc
+        if grad_lb is not None:
+            grad_lb.addmm_(g.t(), u)
+        return
+    if grad_u is not None:
+        grad_u[sl] = torch.bmm(g.unsqueeze(1), b_rows.to(g.dtype)).squeeze(1)
+    if grad_lb is not None:
+        grad_lb.index_add_(0, rows.flatten(), (g.unsqueeze(-1) * u.unsqueeze(1)).flatten(0, 1))

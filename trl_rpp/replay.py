@@ -79,7 +79,9 @@ def replayed_logps(model, input_ids, attention_mask, logits_to_keep, support_ids
         model: the causal LM (policy or reference), its forward patched by `install_head_reader`.
         input_ids, attention_mask: `[B, P + T]` prompt and completion.
         logits_to_keep: `T`, the completion positions.
-        support_ids: `[B, T, K]` the kept ids, `ABSENT`-padded (`truncation.support_of`).
+        support_ids: `[B, T, K]` the kept ids, `ABSENT`-padded (`truncation.support_of`); None: the full softmax
+            instead (`lm_head.full_logps`) at the positions `attention_mask` keeps, 0 elsewhere, what GRPO's fused head
+            returns (for a LoRA adapter on the head, which that fused head would not read).
         temperature: the sampling temperature.
         batch_size: rows per forward (GRPO's chunking), all at once when None.
         compute_entropy: also return the entropies of `pi(. | S_t)` (no gradient).
@@ -89,7 +91,7 @@ def replayed_logps(model, input_ids, attention_mask, logits_to_keep, support_ids
         `(logps [B, T], entropies [B, T] or None, None)`; both are 0 where a position holds no kept id (padding,
         tool tokens).
     """
-    if support_ids.shape[:2] != (input_ids.size(0), logits_to_keep):
+    if support_ids is not None and support_ids.shape[:2] != (input_ids.size(0), logits_to_keep):
         raise RuntimeError(f"the sampler's kept sets cover {tuple(support_ids.shape[:2])} completion positions, the "
                            f"forward {(input_ids.size(0), logits_to_keep)}: they must describe the same batch")
     batch_size = batch_size or input_ids.size(0)
@@ -97,8 +99,10 @@ def replayed_logps(model, input_ids, attention_mask, logits_to_keep, support_ids
     token_ids = input_ids[:, -logits_to_keep:]
     for start in range(0, input_ids.size(0), batch_size):
         rows = slice(start, start + batch_size)
+        support = None if support_ids is None else support_ids[rows]
+        valid = attention_mask[rows, -logits_to_keep:].bool() if support_ids is None else None
         logps, entropies = head_logps(model, input_ids[rows], attention_mask[rows], token_ids[rows].unsqueeze(-1),
-                                      support_ids[rows], temperature, autocast)
+                                      support, temperature, autocast, valid)
         all_logps.append(logps.squeeze(-1))
         all_entropies.append(entropies)
     entropies = torch.cat(all_entropies) if compute_entropy else None
@@ -116,14 +120,16 @@ def head_logps(model, input_ids, attention_mask, ids, support_ids, temperature, 
 
     B, T, n = ids.shape
 
-    def read(hidden, weight, bias, transform):  # called inside the model's forward, on `hidden` [B, P + T, H]
+    def read(hidden, weight, bias, transform, lowrank):  # inside the model's forward, on `hidden` [B, P + T, H]
         h = hidden[:, -T - 1 : -1].reshape(B * T, -1)
+        if lowrank is not None:  # a LoRA adapter on the head: u [B, P + T, r], read at the same positions
+            lowrank = (lowrank[0][:, -T - 1 : -1].reshape(B * T, -1), lowrank[1])
         if support_ids is None:
             out = full_logps(h, weight, bias, ids.reshape(B * T, n), temperature, transform,
-                             None if valid is None else valid.reshape(B * T))
+                             None if valid is None else valid.reshape(B * T), lowrank=lowrank)
         else:
             out = kept_logps(h, weight, bias, ids.reshape(B * T, n), support_ids.reshape(B * T, -1), temperature,
-                             transform)
+                             transform, lowrank=lowrank)
         return out[0].view(B, T, n), out[1].view(B, T)
 
     with (autocast or nullcontext)():
@@ -155,14 +161,76 @@ def head_transform(config):
     return HeadTransform(scale, divisor, getattr(text, "final_logit_softcapping", None))
 
 
+def lora_head(head) -> bool:
+    """True when `head` is PEFT's LoRA `Linear` layer (a LoRA adapter targets the head), False for any other module."""
+    try:
+        from peft.tuners.lora import Linear
+    except ImportError:  # without PEFT no head carries an adapter
+        return False
+    return type(head) is Linear
+
+
+def check_lora_head(head, kind):
+    """Raise `ValueError` naming the setting and the model type `kind` when a LoRA head (`lora_head`) has an adapter
+    that is not plain LoRA (DoRA, any other LoRA variant, `lora_bias`) or a base layer other than a plain linear map:
+    only `h W^T + b + scaling * lora_B(lora_A(dropout(h)))` is read from the head's rows (`head_lowrank`)."""
+    for adapter in head.lora_A:
+        variant = head.lora_variant.get(adapter)
+        settings = [" and ".join(k) for k, cls in head.lora_variants.items()
+                    if cls is not None and type(variant) is cls]
+        setting = (settings or [type(variant).__name__])[0] if variant is not None else None
+        if setting is None and head.lora_bias.get(adapter):
+            setting = "lora_bias=True"
+        if setting is not None:
+            raise ValueError(f"model type {kind!r} is not supported with a LoRA adapter on its head set with {setting} "
+                             f"(adapter {adapter!r}): only plain LoRA (LoraConfig without a LoRA variant or lora_bias) "
+                             "can be read from the head's rows; remove the head from target_modules or that setting")
+    base = head.base_layer
+    if type(base) is not torch.nn.Linear:
+        raise ValueError(f"model type {kind!r} is not supported with a LoRA adapter on its head: the adapter wraps a "
+                         f"{type(base).__name__}, not a plain linear head")
+
+
+def head_lowrank(head, hidden, kind=""):
+    """The head's `(weight [V, H], bias [V] or None, lowrank)` as PEFT's own forward of a LoRA head reads its state at
+    this call: `lowrank` None when the adapters are disabled (the reference model), merged (the base weight holds
+    them) or none is active; else `(u [..., r], lora_b [V, r])`, `u = scaling * lora_A(dropout(hidden))` (autograd,
+    PEFT's dropout and input cast), the active adapters' terms concatenated along `r` (their sum). A plain linear head
+    (not `lora_head`) gives its weight and bias and None. `kind`: the model type, for `check_lora_head`'s error."""
+    if not lora_head(head):
+        return head.weight, head.bias, None
+    base = head.base_layer
+    if head.disable_adapters:
+        if head.merged:  # PEFT's forward unmerges here too
+            head.unmerge()
+        return base.weight, base.bias, None
+    if head.merged:
+        return base.weight, base.bias, None
+    us, bs = [], []
+    for adapter in head.active_adapters:
+        if adapter not in head.lora_A:  # PEFT skips an active adapter this layer does not hold
+            continue
+        if adapter in head.lora_variant or head.lora_bias.get(adapter):  # added after construction
+            check_lora_head(head, kind)
+        lora_a = head.lora_A[adapter]
+        x = head._cast_input_dtype(hidden, lora_a.weight.dtype)
+        us.append(lora_a(head.lora_dropout[adapter](x)) * head.scaling[adapter])
+        bs.append(head.lora_B[adapter].weight)
+    if not us:
+        return base.weight, base.bias, None
+    lowrank = (us[0], bs[0]) if len(us) == 1 else (torch.cat(us, -1), torch.cat(bs, -1))
+    return base.weight, base.bias, lowrank
+
+
 def install_head_reader(model):
     """Patch `model`'s forward (the base model under PEFT) so that `model(..., rpp_read_head=read)` runs the backbone
-    and returns `read(hidden [B, S, H], weight [V, H], bias [V] or None, transform)` instead of logits; without
+    and returns `read(hidden [B, S, H], weight [V, H], bias [V] or None, transform, lowrank)` instead of logits, with
+    `lowrank` None or, for a LoRA adapter on the head, `(u [B, S, r], lora_b [V, r])` (`head_lowrank`); without
     `rpp_read_head` it is the forward it was. The backbone and head are looked up at each call (FSDP and PEFT replace
     them), inside the forward, so DDP, FSDP and ZeRO-3 hooks fire as for the logits.
 
     Raises `ValueError` naming the model type when the head cannot be read this way: no linear `[V, H]` output
-    embedding, no separate backbone, or a PEFT adapter on the head."""
+    embedding, no separate backbone, or a PEFT adapter on the head other than plain LoRA (`check_lora_head`)."""
     import functools
     import types
 
@@ -170,6 +238,9 @@ def install_head_reader(model):
 
     base = model.get_base_model() if is_peft_model(model) else model
     head, kind = base.get_output_embeddings(), base.config.get_text_config().model_type
+    if lora_head(head):
+        check_lora_head(head, kind)
+        head = head.base_layer
     why = None
     if base.config.get_text_config() is not base.config:
         why = "a multimodal model"
@@ -190,13 +261,16 @@ def install_head_reader(model):
             kwargs.pop(name, None)
         hidden = self.base_model(*args, **{**kwargs, "use_cache": False}).last_hidden_state
         lm_head = self.get_output_embeddings()
-        weight, bias = lm_head.weight, lm_head.bias
+        weight, bias, lowrank = head_lowrank(lm_head, hidden.to(lm_head.weight.device), kind)
         if hasattr(weight, "full_tensor"):  # FSDP2: the head is a DTensor, the hidden states a plain tensor
             weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
+        if lowrank is not None and hasattr(lowrank[1], "full_tensor"):
+            lowrank = (lowrank[0], lowrank[1].full_tensor())
         from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-        with maybe_gather_lm_head_ctx(weight, bias):  # ZeRO-3: the partitioned head, gathered for the read
-            return rpp_read_head(hidden.to(weight.device), weight, bias, transform)
+        lora_b = None if lowrank is None or not isinstance(lowrank[1], torch.nn.Parameter) else lowrank[1]
+        with maybe_gather_lm_head_ctx(weight, bias, lora_b):  # ZeRO-3: the partitioned head, gathered for the read
+            return rpp_read_head(hidden.to(weight.device), weight, bias, transform, lowrank)
 
     base.forward = types.MethodType(read_forward, base)
 

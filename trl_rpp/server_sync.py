@@ -25,9 +25,12 @@ with several), and `trl_rpp.engine_faults` stops the run with `GenerationEngineE
 - the directory is not shared (the probe is not found);
 - the disk is full, or any other `OSError` on the write: the temporary file is removed and the previous weights stay.
 
-At construction, process 0 checks the probe once, so a misconfigured server or directory fails before anything is
-trained; there it raises on process 0 alone, as TRL's own checks do (with importance sampling on, TRL's check of the
-server's log-prob mode names a server without dev mode first).
+At construction, before TRL loads anything (`check_at_construction`), process 0 waits for the server's health up
+to `vllm_server_timeout` (as TRL's client does), then makes the directory and checks the probe. The outcome is
+broadcast: a server that cannot be reached, one without dev mode, or a directory it cannot read raises the same
+`ServerWeightSyncError` on every process (raised on process 0 alone, as TRL's own checks are, it would leave the
+others waiting at TRL's first collective). A server lost between this check and TRL's client, which only process 0
+builds, still fails there alone.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ import os
 import re
 import shutil
 import struct
+import time
 import uuid
 from contextlib import contextmanager
+from urllib.parse import urlparse
 
 import torch
 
@@ -108,12 +113,14 @@ def write_safetensors(folder: str, metadata, named_tensors) -> str:
 
 
 class DiskWeightSync:
-    """`vllm_generation.sync_weights` for `vllm_server_weight_sync="disk"` (see the module docstring)."""
+    """`vllm_generation.sync_weights` for `vllm_server_weight_sync="disk"` (see the module docstring). Made and
+    checked by `check_at_construction`; `use_disk_weight_sync` gives it TRL's generation backend."""
 
-    def __init__(self, vllm_generation, weight_dir: str, timeout: float | None):
-        self.vllm_generation, self.timeout = vllm_generation, timeout
+    def __init__(self, weight_dir: str, timeout: float | None, base_url: str):
+        self.timeout, self.base_url = timeout, base_url
         self.root = os.path.abspath(weight_dir)
         self.folder = os.path.join(self.root, WEIGHTS)
+        self.vllm_generation = None  # TRL's VLLMGeneration, once GRPOTrainer has built it
         self.probe = None  # process 0's probe directory, made by `check`
         self.metadata = None  # (name, dtype, shape) of every tensor, from the first sync
 
@@ -121,9 +128,31 @@ class DiskWeightSync:
     def accelerator(self):
         return self.vllm_generation.accelerator
 
-    def check(self, base_url: str) -> None:
+    def wait_for_server(self, wait: float, interval: float = 2.0) -> None:
+        """Process 0: poll the server's `/health` every `interval` seconds until it answers 200, for at most `wait`
+        seconds (TRL's `VLLMClient.check_server`, which also polls every 2 s)."""
+        import requests
+
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                # bounded, unlike TRL's: a server that accepts the connection and never answers must not hang here
+                answer = requests.get(self.base_url + "/health", timeout=max(deadline - time.monotonic(), 1.0))
+                if answer.status_code == 200:
+                    return
+                last = f"HTTP {answer.status_code}"
+            except requests.RequestException as err:
+                last = str(err)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServerWeightSyncError(
+                    f"{self._server()} cannot be reached: no healthy answer within vllm_server_timeout={wait} s "
+                    f"(GET /health: {last}); start it, or correct vllm_server_base_url, or "
+                    "vllm_server_host and vllm_server_port")
+            time.sleep(min(interval, left))
+
+    def check(self) -> None:
         """Process 0, once: make the directories and the probe, and ask the server to read the probe."""
-        self.base_url = base_url
         try:
             os.makedirs(self.folder, exist_ok=True)
             for name in os.listdir(self.root):  # the probes of earlier runs
@@ -169,15 +198,7 @@ class DiskWeightSync:
                     raise ServerWeightSyncError(f"{self._server()} did not drop its prefix cache (requests running)")
             except ServerWeightSyncError as err:
                 failure = err
-        if acc.num_processes > 1:  # every process raises the same error, before anything is trained
-            from accelerate.utils import broadcast_object_list
-
-            message = [None if failure is None else str(failure)]
-            broadcast_object_list(message, from_process=0)
-            if failure is None and message[0] is not None:
-                failure = ServerWeightSyncError(message[0])
-        if failure is not None:
-            raise failure
+        raise_on_every_process(failure, acc.num_processes)
 
     # process 0 only, below
 
@@ -222,10 +243,58 @@ class DiskWeightSync:
         return answer
 
 
+def raise_on_every_process(failure: ServerWeightSyncError | None, num_processes: int) -> None:
+    """Every process: process 0's `failure` (None elsewhere), broadcast, so that every process raises the same
+    `ServerWeightSyncError` (message and status), or none does."""
+    if num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        message = [None if failure is None else (str(failure), failure.status)]
+        broadcast_object_list(message, from_process=0)
+        if failure is None and message[0] is not None:
+            failure = ServerWeightSyncError(*message[0])
+    if failure is not None:
+        raise failure
+
+
+def server_url(args) -> str:
+    """The server's base URL as TRL 1.16 makes it (`VLLMGeneration._init_vllm`, `VLLMClient.__init__`)."""
+    if args.vllm_server_base_url is None:
+        return f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+    parsed = urlparse(args.vllm_server_base_url)
+    return f"{parsed.scheme or 'http'}://{parsed.netloc}{parsed.path}"
+
+
+def check_at_construction(args) -> DiskWeightSync | None:
+    """Every process, before `GRPOTrainer.__init__` loads anything (the process group exists: `TrainingArguments`
+    made accelerate's `PartialState`): with `vllm_server_weight_sync="disk"`, process 0 waits for the server
+    (`vllm_server_timeout`) and checks the probe (`DiskWeightSync.check`); every process raises the same
+    `ServerWeightSyncError` on a failure, else gets the transport for `use_disk_weight_sync`. None without it."""
+    if not (args.use_vllm and args.vllm_mode == "server" and args.vllm_server_weight_sync == "disk"):
+        return None
+    from accelerate import PartialState
+
+    state = PartialState()
+    sync = DiskWeightSync(args.vllm_server_weight_dir, args.vllm_server_request_timeout, server_url(args))
+    failure = None
+    if state.is_main_process:
+        try:
+            sync.wait_for_server(args.vllm_server_timeout)
+            sync.check()
+        except ServerWeightSyncError as err:
+            failure = err
+        except Exception as err:  # raised on process 0 alone, it would leave the others at the broadcast
+            failure = ServerWeightSyncError(f"cannot check {sync._server()} and vllm_server_weight_dir="
+                                            f"{sync.root!r}: {err!r}")
+            failure.__cause__ = err
+    raise_on_every_process(failure, state.num_processes)
+    return sync
+
+
 @contextmanager
 def without_nccl_group(server_weight_sync: str):
-    """While TRL builds its server client (`vllm_server_weight_sync="disk"`): instead of joining the NCCL
-    weight-transfer group, process 0's client checks the probe (`DiskWeightSync.check`)."""
+    """While TRL builds its server client (`vllm_server_weight_sync="disk"`): it joins no NCCL weight-transfer group
+    (the probe was checked before, by `check_at_construction`)."""
     if server_weight_sync != "disk":
         yield
         return
@@ -235,7 +304,7 @@ def without_nccl_group(server_weight_sync: str):
 
     def client(*args, **kwargs):
         made = original(*args, **kwargs)
-        made.init_communicator = lambda device=None: None  # the probe is checked once the sync exists
+        made.init_communicator = lambda device=None: None
         return made
 
     vllm_generation.VLLMClient = client
@@ -245,13 +314,12 @@ def without_nccl_group(server_weight_sync: str):
         vllm_generation.VLLMClient = original
 
 
-def use_disk_weight_sync(trainer) -> None:
-    """Make `trainer.vllm_generation.sync_weights` the disk transport, and check the probe on process 0."""
-    args = trainer.args
-    if not args.use_vllm or args.vllm_server_weight_sync != "disk":
+def use_disk_weight_sync(trainer, sync: DiskWeightSync | None) -> None:
+    """Make `trainer.vllm_generation.sync_weights` the disk transport `sync`, made and checked by
+    `check_at_construction` (None: not this transport)."""
+    if sync is None:
         return
-    vllm_generation = trainer.vllm_generation
-    sync = DiskWeightSync(vllm_generation, args.vllm_server_weight_dir, args.vllm_server_request_timeout)
-    if trainer.accelerator.is_main_process:
-        sync.check(vllm_generation.vllm_client.base_url)
-    vllm_generation.sync_weights = sync
+    sync.vllm_generation = trainer.vllm_generation
+    if trainer.accelerator.is_main_process:  # the URL TRL's client generates from (the same as `server_url`'s)
+        sync.base_url = trainer.vllm_generation.vllm_client.base_url
+    trainer.vllm_generation.sync_weights = sync

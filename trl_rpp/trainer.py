@@ -2,9 +2,11 @@
 
 Hook map. The GRPOTrainer members overridden here, in the order a run calls them, and what passes between them:
 
-    __init__                           GRPO's inside `borrowed_beta` (so that it builds the reference model) and
-                                       `vllm_engine_args`, then asserts the reference exists, sets the CPU engine's
-                                       or the disk weight sync, guards a server's client, checks score centering
+    __init__                           checks a disk-synced server on every process (`trl_rpp.server_sync`), then
+                                       GRPO's inside `borrowed_beta` (so that it builds the reference model),
+                                       `vllm_engine_args` and `trl_lm_head_lora_allowed`, then asserts the reference
+                                       exists, sets the CPU engine's or the disk weight sync, guards a server's
+                                       client, checks score centering, reads a LoRA head
     train                              on resume: the newest complete checkpoint (True) or refuses a named torn one,
                                        then GRPO's, under the preemption signal handlers (`trl_rpp.preemption`)
     _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step
@@ -18,7 +20,8 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
                                        with vLLM, an engine failure        -> self._rpp_engine_faults, raised on
                                        every process right after GRPO's `_generate` (`trl_rpp.engine_faults`)
         _get_per_token_logps_and_entropies   GRPO's pi_old and reference forwards: with replay, log pi(y | S_t)
-                                       over self._rpp_support (`trl_rpp.replay`), so TRL's IS ratio is exact
+                                       over self._rpp_support (`trl_rpp.replay`), so TRL's IS ratio is exact; with
+                                       a LoRA adapter on the head, the full softmax read from the head in tiles
         _calculate_rewards             raw rewards [B_global, n_reward_funcs]      -> self._rpp_rewards_per_func
       then turns the raw rewards into the batch keys below: `_reinforce_pp_advantages` (after a pi_old forward
       through GRPO's `_get_per_token_logps_and_entropies` when k1 shaping needs one), or the group baseline
@@ -63,14 +66,15 @@ from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .preemption import Preemption
 from .rollouts import install_rollout_checks
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_funcs
-from .replay import head_is_whole_support, head_logps, kept_sets_of_generation, record_width, replayed_logps
-from .replay import support_bound
+from .replay import head_is_whole_support, head_logps, install_head_reader, kept_sets_of_generation, lora_head
+from .replay import record_width, replayed_logps, support_bound
 from .sampling import SamplerTopKCapture, capturing_generate, warn_overridden_model_sampling
 from .score_centering import importance_weight_fn, score_centered_ppo_loss
 from .score_centering import score_centering_metric_sums
+from .server_sync import check_at_construction
 from .trainer_utils import FORWARD_KEYS, PolicyForward, borrowed_beta, check_score_centering_support
 from .trainer_utils import empty_batch_message, generate_vllm_with_topk, masked_max, reduce_across_processes
-from .trainer_utils import sampler_topk_of_generation, token_mask
+from .trainer_utils import sampler_topk_of_generation, token_mask, trl_lm_head_lora_allowed
 from .truncation import SamplerSupportCapture
 from .vllm_engine import use_weight_sync, vllm_engine_args
 
@@ -141,6 +145,11 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
        `GenerationEngineError` on every process after GRPO's `_generate`, naming the engine, the process, the step and
        the checkpoint to resume from (`trl_rpp.engine_faults`). A server's client gets a time limit per request
        (`vllm_server_request_timeout`, where TRL's has none) and does not resend a request that timed out.
+    16. **A LoRA adapter on the LM head** (`lm_head` in `target_modules`), which `GRPOTrainer` refuses because its
+       fused log-prob head would never train it, is trained: every log-prob (pi_old, the reference with the adapter
+       disabled, the loss forward) is read from the final hidden states, the head and the adapter's low-rank term in
+       tiles (`trl_rpp.lm_head`), on every path (replay, score centering, both, neither). Plain LoRA only: DoRA, the
+       other LoRA variants, `lora_bias` and `cast_lm_head_to_fp32=True` raise a `ValueError` at construction.
     """
 
     _tag_names = ["trl", "rpp", "reinforce-plus-plus"]
@@ -169,8 +178,11 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         sampler = {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, **(args.generation_kwargs or {})}
         bound = support_bound(sampler, args.use_vllm, args.replay_sampler_support)
         vllm_logprobs = (record_width(bound) or (k if args.score_centering else 0)) + 1 if args.use_vllm else 0
+        # Before any model is loaded, on every process: a server or directory that cannot work raises everywhere.
+        disk_sync = check_at_construction(args)  # vllm_server_weight_sync="disk" (trl_rpp.server_sync)
         engine = vllm_engine_args(vllm_logprobs, args.vllm_dtype, args.vllm_server_weight_sync)
-        with borrowed_beta(args, self._rpp_needs_ref), engine:
+        lora_allowed = trl_lm_head_lora_allowed(model, args, kwargs.get("peft_config"))
+        with borrowed_beta(args, self._rpp_needs_ref), engine, lora_allowed:
             super().__init__(model, reward_funcs, args, **kwargs)
         self.beta = 0.0
         warn_overridden_model_sampling(self.accelerator.unwrap_model(self.model).generation_config.to_dict(),
@@ -192,7 +204,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
                 "RPPTrainer needs a reference model for its KL (kl_coef > 0 or use_kl_loss=True), but GRPOTrainer built "
                 "none: this TRL version no longer builds it when beta != 0."
             )
-        use_weight_sync(self)  # a CPU engine, or a server through a directory, needs its own (trl_rpp.vllm_engine)
+        use_weight_sync(self, disk_sync)  # a CPU engine, or a server through a directory, needs its own (vllm_engine)
         if self._rpp_width and args.use_vllm:
             # the kept set (processed log-probs: -inf outside it) or the top-k, plus the sampled token when outside
             self.vllm_generation.logprobs = self._rpp_width
@@ -203,6 +215,14 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         if self._rpp_width:
             check_score_centering_support(self)
             self._rpp_weight_fn = importance_weight_fn(self)  # TRL's token-level sampler correction f(ratio), or None
+        # A LoRA adapter on the head: TRL's fused head would ignore it, every forward reads it (`replay.head_lowrank`).
+        self._rpp_lora_head = lora_head(self.accelerator.unwrap_model(self.model).get_output_embeddings())
+        if self._rpp_lora_head:
+            if self.aux_loss_enabled:
+                raise ValueError("a LoRA adapter on lm_head does not support an MoE router aux loss: set "
+                                 "router_aux_loss_coef=0.0, or remove lm_head from the adapter's target_modules.")
+            if not self._rpp_width:  # else check_score_centering_support installed the reader
+                install_head_reader(self.accelerator.unwrap_model(self.model))
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's card, written by `trl_rpp.model_card`: the real base model (never a `None` link), the dataset, the
@@ -267,9 +287,9 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         parent = super()._generate_single_turn
         if self.use_vllm:  # a failure is settled across processes after `_generate` (trl_rpp.engine_faults)
             if self._rpp_width:  # the kept set or top-k lists, and the sampled token's log-prob selected by id
-                generate = lambda: generate_vllm_with_topk(self, prompt_ids, images, num_generations, self._rpp_width)  # noqa: E731
-            else:
-                generate = lambda: parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)  # noqa: E731
+                return generate_vllm_with_topk(self, prompt_ids, images, num_generations, self._rpp_width,
+                                               self._rpp_engine_faults)  # only the engine's calls are guarded
+            generate = lambda: parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)  # noqa: E731
             return self._rpp_engine_faults.guard(self, generate, prompt_ids)
         if not self._rpp_width:
             return parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
@@ -303,8 +323,12 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
                                            compute_entropy=False, compute_aux_loss=False, **forward):
         """GRPO's, or with a replayed truncating sampler `log pi(y | S_t)` over the generation batch's kept sets
         (`trl_rpp.replay`): what GRPO's old-policy and reference forwards read, so its importance-sampling ratio and
-        the KL are taken over the sampler's support."""
+        the KL are taken over the sampler's support. With a LoRA adapter on the head and no replay, the full softmax
+        read in tiles with the adapter's term (GRPO's fused head would leave the adapter out)."""
         if self._rpp_bound is None:
+            if self._rpp_lora_head:  # an MoE aux loss is rejected at construction
+                return self._replayed_logps(model, input_ids, attention_mask, logits_to_keep, None, batch_size,
+                                            compute_entropy, forward)
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **forward
             )

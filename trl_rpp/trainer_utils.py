@@ -127,23 +127,38 @@ def check_score_centering_support(trainer) -> None:
     check_exact_sampling(merged, trainer.temperature, where="the model's generation config: ", replayed=replayed)
 
 
-def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations, k):
+def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations, k, faults):
     """GRPO's vLLM branch of `_generate_single_turn`, keeping the `k`-wide log-prob lists (appended to
     ``trainer._rpp_captures``) and selecting the sampled token's log-prob by id. Returns ``(completion_ids,
-    sampled_logps)`` as GRPO's branch does."""
+    sampled_logps)`` as GRPO's branch does.
+
+    Only the engine's calls (`vllm_generate`) run under `faults` (`EngineFaults.call`): when they raise, one EOS per
+    prompt comes back and the run stops at `EngineFaults.settle`. An error in parsing the engine's answer is ours,
+    not the engine's, and propagates as itself."""
+    from .engine_faults import empty_completions
+
+    answer = faults.call(lambda: vllm_generate(trainer, prompt_ids, images, num_generations))
+    if answer is None:
+        return empty_completions(trainer, prompt_ids)
+    _, completion_ids, logprobs, token_ids = answer
+    sampled, recorded = parse_vllm_topk(completion_ids, logprobs, token_ids, k)
+    trainer._rpp_captures.append(recorded)
+    return completion_ids, sampled
+
+
+def vllm_generate(trainer, prompt_ids, images, num_generations):
+    """GRPO's vLLM branch of `_generate_single_turn` up to the engine's answer: the weight sync when the step
+    changed, then `VLLMGeneration.generate`'s ``(prompt_ids, completion_ids, logprobs, logprob_token_ids)``."""
     from trl.extras.profiling import profiling_context
 
     if trainer.state.global_step != trainer._last_loaded_step:
         with profiling_context(trainer, "sync_weights"):
             trainer.vllm_generation.sync_weights()
         trainer._last_loaded_step = trainer.state.global_step
-    _, completion_ids, logprobs, token_ids = trainer.vllm_generation.generate(
+    return trainer.vllm_generation.generate(
         prompts=prompt_ids, images=images, num_generations=num_generations,
         profiler=profiling_context(trainer, "vLLM.generate"),
     )
-    sampled, recorded = parse_vllm_topk(completion_ids, logprobs, token_ids, k)
-    trainer._rpp_captures.append(recorded)
-    return completion_ids, sampled
 
 
 def sampler_topk_of_generation(trainer, generated, k):
@@ -166,3 +181,97 @@ def sampler_topk_of_generation(trainer, generated, k):
         return generated, captures[0]
     turns = [c.tensors(len(c.ids) if isinstance(c.ids, list) else c.ids.size(1)) for c in captures]
     return generated, align_turn_captures(turns, tool_mask)
+
+
+TRL_LM_HEAD_REFUSAL = "isinstance(model.get_output_embeddings(), BaseTunerLayer)"
+TRL_CAST_REFUSAL = "isinstance(target_model.lm_head, BaseTunerLayer)"
+
+
+def _tied_head(model) -> bool:
+    """Whether `model` (a path or a model, PEFT-wrapped or not) ties its head to its input embeddings."""
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model)
+    else:
+        config = model.config
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+
+
+@contextmanager
+def trl_lm_head_lora_allowed(model, args, peft_config):
+    """Around `GRPOTrainer.__init__`: let a LoRA adapter on the LM head through TRL's refusal, which `RPPTrainer`
+    replaces by training it exactly (`replay.head_lowrank`, read on every log-prob path).
+
+    What it replaces: TRL 1.16's `GRPOTrainer.__init__` raises "Applying a PEFT adapter to `lm_head` is not
+    supported" when `isinstance(model.get_output_embeddings(), BaseTunerLayer)`, because its fused head reads
+    `lm_head.weight` only and would never train the adapter. For the duration of the call, the module global
+    `trl.trainer.grpo_trainer.BaseTunerLayer` becomes a class that every PEFT layer but PEFT's LoRA `Linear` is an
+    instance of; TRL's refusal stands for any other adapter type. Written against TRL 1.16: the module must use
+    `BaseTunerLayer` in exactly those two checks of `__init__` (the one above and `cast_lm_head_to_fp32`'s); on another
+    TRL nothing is patched, and a LoRA config targeting `lm_head` raises `RuntimeError` naming its version. Patched
+    only for a LoRA `peft_config` or a PEFT model with a LoRA head (`peft_config` may target a head named otherwise).
+
+    `cast_lm_head_to_fp32=True` with a LoRA head stays refused, here before any model is loaded (`ValueError` naming
+    the field), and nothing is patched then: TRL's own checks run unchanged. So is `use_vllm=True` with a LoRA head
+    tied to the input embeddings (TRL's sync merges the adapter into the shared weight)."""
+    from .replay import lora_head
+
+    try:
+        from peft import LoraConfig
+        from peft.tuners.tuners_utils import BaseTunerLayer, check_target_module_exists
+    except ImportError:  # without PEFT there is no adapter to let through
+        yield
+        return
+    from accelerate.utils import is_peft_model
+
+    if not isinstance(model, str) and is_peft_model(model):
+        targeted = lora_head(model.get_output_embeddings())
+    else:
+        targeted = isinstance(peft_config, LoraConfig) and bool(peft_config.target_modules) and bool(
+            check_target_module_exists(peft_config, "lm_head"))
+    if targeted and args.use_vllm and _tied_head(model):
+        # TRL's weight sync merges the adapter into the head's weight, which a tied model shares with its input
+        # embeddings: the engine would sample from embeddings the trainer's forward does not use.
+        raise ValueError("use_vllm=True is not supported with a LoRA adapter on a head tied to the input embeddings "
+                         "(tie_word_embeddings=True): merged for the engine, the adapter would change the embeddings "
+                         "too. Remove lm_head from the adapter's target_modules, or set use_vllm=False.")
+    if args.cast_lm_head_to_fp32:
+        if targeted:
+            raise ValueError("cast_lm_head_to_fp32=True is not supported with a LoRA adapter on lm_head (TRL casts the "
+                             "head's weight, not the adapter): set cast_lm_head_to_fp32=False (the default), or remove "
+                             "lm_head from the adapter's target_modules.")
+        yield
+        return
+    if not (targeted or isinstance(peft_config, LoraConfig)):  # no LoRA adapter can reach the head
+        yield
+        return
+    import inspect
+
+    import trl
+    from trl.trainer import grpo_trainer
+
+    source = inspect.getsource(grpo_trainer)
+    init = inspect.getsource(grpo_trainer.GRPOTrainer.__init__)
+    if (getattr(grpo_trainer, "BaseTunerLayer", None) is not BaseTunerLayer or TRL_LM_HEAD_REFUSAL not in init
+            or TRL_CAST_REFUSAL not in init or source.count("BaseTunerLayer") != 3):
+        if not targeted:  # TRL's own check, whatever it is, decides about a head we did not see targeted
+            yield
+            return
+        raise RuntimeError(
+            f"RPPTrainer lets a LoRA adapter on lm_head through GRPOTrainer's refusal as written in TRL 1.16; TRL "
+            f"{trl.__version__} no longer checks it the same way (`{TRL_LM_HEAD_REFUSAL}` in `GRPOTrainer.__init__`): "
+            "install TRL 1.16.x, or remove lm_head from the adapter's target_modules.")
+
+    class _AnyLayerButLoraLinear(type):
+        def __instancecheck__(cls, obj):
+            return isinstance(obj, BaseTunerLayer) and not lora_head(obj)
+
+    class NotLoraLinear(metaclass=_AnyLayerButLoraLinear):
+        pass
+
+    grpo_trainer.BaseTunerLayer = NotLoraLinear
+    try:
+        yield
+    finally:
+        grpo_trainer.BaseTunerLayer = BaseTunerLayer

@@ -77,11 +77,12 @@ def use_cpu_weight_sync(vllm_generation) -> None:
     vllm_generation.sync_weights = lambda: sync_weights_by_reload(vllm_generation)
 
 
-def use_weight_sync(trainer) -> None:
-    """The weight sync `trainer`'s engine needs: vLLM's reload for a colocated engine on CPU, the disk transport for a
-    server with `vllm_server_weight_sync="disk"` (`trl_rpp.server_sync`), TRL's everywhere else."""
+def use_weight_sync(trainer, disk_sync=None) -> None:
+    """The weight sync `trainer`'s engine needs: vLLM's reload for a colocated engine on CPU, the disk transport
+    `disk_sync` for a server with `vllm_server_weight_sync="disk"` (`trl_rpp.server_sync.check_at_construction`),
+    TRL's everywhere else."""
     from .server_sync import use_disk_weight_sync
 
     if trainer.args.use_vllm:
         use_cpu_weight_sync(trainer.vllm_generation)
-        use_disk_weight_sync(trainer)
+        use_disk_weight_sync(trainer, disk_sync)
