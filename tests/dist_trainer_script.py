@@ -55,9 +55,21 @@ def run_case(outdir, model_path, estimator, mode):
     )
     from transformers import TrainerCallback
 
-    grads = []
+    grads, head_grad_layouts = [], []
 
     class GradCapture(TrainerCallback):  # after DDP's all-reduce, before the optimizer step
+        def on_step_begin(self, args, state, control, model=None, **kw):
+            # Replay: rank 0 starts the step holding dense zero gradients, as after a micro-batch of gradient
+            # accumulation, so its head gradient arrives sparse (added in place under DDP's hooks); rank 1's arrives
+            # dense into None. The hook records which arrived.
+            if mode != "replay" or state.global_step > 0:
+                return
+            head = model.get_output_embeddings().weight
+            head.register_hook(lambda g: head_grad_layouts.append(g.layout))
+            if args.process_index == 0:
+                for p in model.parameters():
+                    p.grad = torch.zeros_like(p) if p.requires_grad else None
+
         def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
             grads.append({n.removeprefix("module."): p.grad.detach().clone() for n, p in model.named_parameters()
                           if p.grad is not None})
@@ -87,6 +99,7 @@ def run_case(outdir, model_path, estimator, mode):
             backend=torch.distributed.get_backend(),
             args=trainer.args,
             grads=grads,
+            head_grad_layouts=head_grad_layouts,
             init=init,
         ),
         os.path.join(outdir, f"{estimator}-{mode}-rank{rank}.pt"),

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from trl_rpp import lm_head
 from trl_rpp.lm_head import HeadTransform, full_logps, kept_logps
 from trl_rpp.score_centering import sampled_and_head_logps
 from trl_rpp.truncation import ABSENT, support_logps
@@ -362,3 +363,87 @@ def test_shapes_are_checked():
     with pytest.raises(ValueError, match=r"support_ids must be \[3, \*\]"):
         kept_logps(torch.zeros(3, 4), torch.zeros(5, 4), None, torch.zeros(3, 1, dtype=torch.long),
                    torch.zeros(2, 2, dtype=torch.long), 1.0)
+
+
+# --- replay's head gradient: only the touched rows, added into a held `.grad` ------------------------------------
+
+
+def test_touched_rows_hand_checkable_case():
+    """Rows 2, 0, 5 read (an ABSENT slot reads row 0): sorted distinct rows [0, 2, 5], each slot's index into them;
+    the gradient is `values` at those rows, 0 elsewhere, three rows stored."""
+    ids = torch.tensor([[2], [0]])
+    support = torch.tensor([[2, 5, ABSENT], [0, 2, ABSENT]])
+    rows, slots = lm_head.touched_rows(ids, support)
+    assert rows.tolist() == [0, 2, 5] and slots.tolist() == [[1, 1, 2, 0], [0, 0, 1, 0]]
+    values = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=torch.float64)
+    sparse = lm_head.sparse_rows_gradient(rows, values, (7, 2), torch.float32)
+    want = [[1.0, 2.0], [0.0, 0.0], [3.0, 4.0], [0.0, 0.0], [0.0, 0.0], [5.0, 6.0], [0.0, 0.0]]
+    assert sparse.layout == torch.sparse_coo and sparse.is_coalesced() and sparse._nnz() == 3
+    assert sparse.dtype == torch.float32 and sparse.to_dense().tolist() == want
+
+
+def head_step(hidden, weight, b, ids, support, w_out, held, tokens=None):
+    """One replayed loss's backward into fresh leaves `weight` and `b`, each starting with `held`'s `.grad` (None or a
+    dense tensor). `tokens`: ids whose rows of `weight` are added to the hidden states, as a tied embedding does.
+    Returns the leaves, the `.grad` tensors they started with, and the layout of what autograd accumulated into each
+    (hooks on the leaves see it)."""
+    w, bb = leaves(weight, b)
+    layouts = {}
+    for name, p, g in (("weight", w, held[0]), ("bias", bb, held[1])):
+        p.grad = None if g is None else g.clone()
+        p.register_hook(lambda grad, name=name: layouts.__setitem__(name, grad.layout))
+    started = [w.grad, bb.grad]
+    h = hidden if tokens is None else hidden + torch.nn.functional.embedding(tokens, w)
+    out, _ = kept_logps(h, w, bb, ids, support, TEMP, tile=3)
+    (out.double() * w_out).sum().backward()
+    return (w, bb), started, layouts
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_replayed_head_gradient_added_into_a_held_grad_is_sparse_exact_and_leaves_grad_dense(dtype, tied):
+    """With `.grad` None the head's gradient arrives dense and becomes `.grad`, equal to the full logits' (float64
+    1e-10, float32 1e-5). With a dense `.grad` held (a later micro-batch of gradient accumulation) it arrives sparse
+    over the touched rows and is added in place: `.grad` stays the same dense tensor, bitwise `held + the dense
+    gradient`; tied, autograd first sums it with the embedding's dense gradient. AdamW then steps as on that sum."""
+    hidden, weight, b, ids, support, w_out = problem(dtype)
+    tokens = torch.arange(N) % V if tied else None
+    g = torch.Generator().manual_seed(3)
+    held = [torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype) for x in (weight, b)]
+
+    (w, bb), _, layouts = head_step(hidden, weight, b, ids, support, w_out, (None, None), tokens)
+    assert layouts == {"weight": torch.strided, "bias": torch.strided}
+    dense = [w.grad, bb.grad]
+    assert all(x.layout == torch.strided and x.dtype == dtype for x in dense)
+    if dtype != torch.bfloat16:  # against the full logits through autograd
+        w, bb = leaves(weight, b)
+        h = hidden if tokens is None else hidden + torch.nn.functional.embedding(tokens, w)
+        ref = support_logps(torch.nn.functional.linear(h, w, bb).unsqueeze(0), ids.unsqueeze(0),
+                            support.unsqueeze(0), TEMP)[0]
+        ref = torch.where((support != ABSENT).any(-1, keepdim=True), ref, torch.zeros_like(ref))
+        (ref.double() * w_out).sum().backward()
+        tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dense[0], w.grad, **tol)
+        torch.testing.assert_close(dense[1], bb.grad, **tol)
+
+    params, started, layouts = head_step(hidden, weight, b, ids, support, w_out, held, tokens)
+    assert layouts == {"weight": torch.strided if tied else torch.sparse_coo, "bias": torch.sparse_coo}
+    for p, start, d, kept in zip(params, held, dense, started):
+        assert p.grad is kept and p.grad.layout == torch.strided
+        assert torch.equal(p.grad, start + d)
+    for p, start, d in zip(params, held, dense):
+        q = torch.nn.Parameter(p.detach().clone())
+        q.grad = start + d
+        for x in (p, q):
+            torch.optim.AdamW([x], lr=0.1).step()
+        assert torch.equal(p.detach(), q.detach())
+
+
+def test_torch_autograd_grad_gets_a_dense_head_gradient_even_with_a_held_grad():
+    """`torch.autograd.grad` returns the gradient instead of accumulating it: dense, whatever `.grad` holds."""
+    hidden, weight, b, ids, support, w_out = problem(torch.float64)
+    w, bb = leaves(weight, b)
+    w.grad, bb.grad = torch.zeros_like(w), torch.zeros_like(bb)
+    out, _ = kept_logps(hidden, w, bb, ids, support, TEMP)
+    got = torch.autograd.grad((out * w_out).sum(), [w, bb])
+    assert [x.layout for x in got] == [torch.strided] * 2

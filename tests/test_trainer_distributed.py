@@ -103,13 +103,17 @@ def test_fully_masked_process_joins_the_collective_and_trains_on_zeros(runs, est
 def test_two_process_replayed_gradient_equals_the_float64_reference(runs, tiny_model):
     """top_k=6, top_p=0.9 replayed, with score centering and the k2 loss, one group of 8 across both processes: the
     gradient each rank steps with (after DDP's all-reduce) is the float64 reference's over all 8 responses, every
-    log-prob read over each token's recorded kept set (tests/test_replay.py)."""
+    log-prob read over each token's recorded kept set (tests/test_replay.py). Rank 0 starts the step holding dense
+    zero gradients, so its head gradient arrives sparse and is added into `.grad` in place, under DDP's hooks; rank
+    1's arrives dense (tests/dist_trainer_script.py); every `.grad` DDP reduced is dense."""
     from transformers import AutoModelForCausalLM
 
     from test_replay import ref_step_loss
 
     ranks = runs["reinforce_plus_plus_baseline", "replay"]
     assert [len(r["grads"]) for r in ranks] == [1, 1] and all(len(r["loss_inputs"]) == 1 for r in ranks)
+    assert [r["head_grad_layouts"] for r in ranks] == [[torch.sparse_coo], [torch.strided]]
+    assert all(g.layout == torch.strided for r in ranks for g in r["grads"][0].values())
     for name, g in ranks[0]["grads"][0].items():
         assert torch.equal(g, ranks[1]["grads"][0][name]), name  # all-reduced: the same on both ranks
     args = ranks[0]["args"]

@@ -16,8 +16,12 @@ commute with reading a subset of the head's rows, so
 Both run through `_TiledHead`, which saves only its inputs: its backward recomputes each tile's logits, takes their
 gradient through the elementwise part with autograd (so every transform is differentiated exactly as the model's
 forward would be), and applies the head's linear map by hand, accumulating the gradients of `h`, `W`, `b`, `u` and
-`B` in float32 (float64 for float64 inputs). Rows outside `valid` (and, for replay, rows without any kept id) read a
-zero hidden state (and `u`): their outputs are 0 and their gradients exactly 0, whatever NaN or Inf they hold.
+`B` in float32 (float64 for float64 inputs). When replay's gradient of `W` (or `b`) is added into a dense `.grad` the
+parameter already holds (gradient accumulation), it is accumulated over the touched rows only and returned as a
+sparse COO tensor (`touched_rows`, `sparse_rows_gradient`), which autograd adds in place: no `[V, H]` buffer;
+otherwise it is the dense tensor that becomes `.grad`. Rows outside `valid` (and, for replay, rows without any kept
+id) read a zero hidden state (and `u`): their outputs are 0 and their gradients exactly 0, whatever NaN or Inf they
+hold.
 
 Shapes: `N` flattened positions, `H` hidden size, `V` vocabulary, `K` kept-id slots (`ABSENT`-padded), `n` ids read,
 `r` the low-rank term's rank.
@@ -127,6 +131,47 @@ def _check(hidden, weight, bias, ids, support_ids, lowrank=None):
     return u, lora_b
 
 
+def touched_rows(ids, support_ids):
+    """The head rows replay reads and where each slot's row sits among them.
+
+    Args:
+        ids: `[N, n]` int64 ids read; support_ids: `[N, K]` int64 kept ids, `ABSENT`-padded (an `ABSENT` slot reads
+            row 0, with a zero gradient).
+
+    Returns:
+        `(rows [U], slots [N, n + K])`: the sorted distinct rows of `[ids, support_ids]`, and each slot's index into
+        `rows`. `U <= min(V, N * (n + K))`; the work is a sort of the `N * (n + K)` slots, whatever `V`.
+    """
+    return torch.unique(torch.cat([ids, support_ids], -1).clamp(min=0), sorted=True, return_inverse=True)
+
+
+def sparse_rows_gradient(rows, values, shape, dtype):
+    """A `shape` (`[V, *]`) gradient that is `values.to(dtype)` at `rows` and 0 elsewhere, as a coalesced sparse COO
+    tensor storing the `U` rows only.
+
+    Args:
+        rows: `[U]` distinct int64 rows, sorted; values: `[U, *]` their gradients (any float dtype).
+        shape: the parameter's shape `[V, *]`; dtype: the parameter's dtype.
+    """
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values.to(dtype), shape, is_coalesced=True,
+                                   check_invariants=False)  # sorted and distinct by construction
+
+
+def _adds_into_dense_grad(param):
+    """Whether this backward adds `param`'s gradient into a dense `.grad` it holds: autograd's AccumulateGrad then
+    adds a sparse gradient in place (`grad += new`), so `.grad` stays dense (AdamW refuses a sparse one) and DDP's
+    hooks, which run after it, read the sum. A non-leaf (FSDP2's `full_tensor()`), a `.grad` of another layout, shape,
+    dtype or device, or `torch.autograd.grad` (which returns the gradient instead) get a dense gradient."""
+    grad = param.grad if param.is_leaf else None
+    if (type(grad) is not torch.Tensor or grad.layout != torch.strided or grad.shape != param.shape
+            or grad.dtype != param.dtype or grad.device != param.device):
+        return False
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
+    except RuntimeError:  # raised for a leaf under torch.autograd.grad: nothing is accumulated there
+        return False
+
+
 def _accum_dtype(hidden):
     return torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
@@ -223,8 +268,17 @@ class _TiledHead(torch.autograd.Function):
         with maybe_gather_lm_head_ctx(weight, bias, lora_b if isinstance(lora_b, torch.nn.Parameter) else None):
             grad_lb = torch.zeros(lora_b.shape, dtype=acc, device=lora_b.device) if need_lb else None
             b_acc = lora_b.to(acc) if need_u and support_ids is None else None
-            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-            grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+            # Replay into a held dense `.grad`: the touched rows only, no [V, H] buffer. Into None the dense gradient
+            # becomes `.grad`; its rows need no `torch.unique` (a host sync on a GPU).
+            sparse_w = need_w and support_ids is not None and _adds_into_dense_grad(weight)
+            sparse_b = need_b and support_ids is not None and _adds_into_dense_grad(bias)
+            touched, slots = touched_rows(ids, support_ids) if sparse_w or sparse_b else (None, None)
+            grad_w = grad_b = None
+            if need_w:
+                shape = (touched.numel(), weight.size(1)) if sparse_w else weight.shape
+                grad_w = torch.zeros(shape, dtype=acc, device=weight.device)
+            if need_b:
+                grad_b = torch.zeros(touched.shape if sparse_b else bias.shape, dtype=acc, device=bias.device)
             w_acc = weight.to(acc) if need_h and support_ids is None else None
             for start in range(0, hidden.size(0), tile):
                 sl = slice(start, start + tile)
@@ -255,9 +309,14 @@ class _TiledHead(torch.autograd.Function):
                 if need_h:
                     grad_h[sl] = torch.bmm(g.unsqueeze(1), w.to(acc)).squeeze(1)
                 if need_w:
-                    grad_w.index_add_(0, rows.flatten(), (g.unsqueeze(-1) * h.unsqueeze(1)).flatten(0, 1))
+                    at = (slots[sl] if sparse_w else rows).flatten()
+                    grad_w.index_add_(0, at, (g.unsqueeze(-1) * h.unsqueeze(1)).flatten(0, 1))
                 if need_b:
-                    grad_b.index_add_(0, rows.flatten(), g.flatten())
+                    grad_b.index_add_(0, (slots[sl] if sparse_b else rows).flatten(), g.flatten())
+            if sparse_w:
+                grad_w = sparse_rows_gradient(touched, grad_w, weight.shape, weight.dtype)
+            if sparse_b:
+                grad_b = sparse_rows_gradient(touched, grad_b, bias.shape, bias.dtype)
         if grad_h is not None:  # rows outside `valid` read a zero state: no gradient reaches what they held
             grad_h = grad_h.to(hidden.dtype)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
