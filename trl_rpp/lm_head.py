@@ -161,7 +161,10 @@ def _adds_into_dense_grad(param):
     """Whether this backward adds `param`'s gradient into a dense `.grad` it holds: autograd's AccumulateGrad then
     adds a sparse gradient in place (`grad += new`), so `.grad` stays dense (AdamW refuses a sparse one) and DDP's
     hooks, which run after it, read the sum. A non-leaf (FSDP2's `full_tensor()`), a `.grad` of another layout, shape,
-    dtype or device, or `torch.autograd.grad` (which returns the gradient instead) get a dense gradient."""
+    dtype or device, or `torch.autograd.grad` (which returns the gradient instead) get a dense gradient. So does a
+    parameter off the CPU: `torch.unique`'s data-dependent size would make the backward wait for the device."""
+    if param.device.type != "cpu":
+        return False
     grad = param.grad if param.is_leaf else None
     if (type(grad) is not torch.Tensor or grad.layout != torch.strided or grad.shape != param.shape
             or grad.dtype != param.dtype or grad.device != param.device):
