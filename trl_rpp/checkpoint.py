@@ -211,8 +211,9 @@ _AMBIGUOUS_ERRORS = (OSError, RuntimeError, IndexError, KeyError)
 
 def _load_damage(path: str, err: Exception) -> str | None:
     """Why loading the buffer at `path`, which raised `err`, failed because the file is damaged, in a few words;
-    None when the damage is not shown (the error propagates as it is). The buffer is always a zip (torch.save's format) whose
-    members carry CRC-32s, so an ambiguous error is damage only when Python's `zipfile` finds the file broken."""
+    None when the damage is not shown (the error propagates as it is). The buffer is always a zip (torch.save's
+    format) whose members carry CRC-32s, so an ambiguous error is damage only when Python's `zipfile` finds the file
+    broken."""
     if isinstance(err, _PARSE_ERRORS):
         # Only torch's first sentence: the rest can advise weights_only=False, which is not the fix here.
         reason = (str(err).strip().splitlines() or [""])[0].split(". ")[0][:160]
