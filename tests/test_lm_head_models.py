@@ -468,7 +468,7 @@ def test_lm_head_adapters_the_trainer_cannot_train_exactly_are_refused_at_constr
     from trl.trainer import grpo_trainer
 
     from trainer_helpers import length_reward, make_args
-    from trl_rpp import RPPTrainer, trainer_utils
+    from trl_rpp import RPPTrainer, head_lora
     from trl_rpp.testing.tiny import copy_task_dataset
 
     def build_trainer(model, peft_config=None, **kw):
@@ -496,7 +496,7 @@ def test_lm_head_adapters_the_trainer_cannot_train_exactly_are_refused_at_constr
     with pytest.raises(ValueError, match=r"Applying a PEFT adapter to `lm_head` is not supported"):
         build_trainer(tiny_model, IA3Config(target_modules=["lm_head", "down_proj"], feedforward_modules=["down_proj"]))
     real = grpo_trainer.BaseTunerLayer
-    monkeypatch.setattr(trainer_utils, "TRL_LM_HEAD_REFUSAL", "a check this TRL does not have")
+    monkeypatch.setattr(head_lora, "TRL_LM_HEAD_REFUSAL", "a check this TRL does not have")
     with pytest.raises(RuntimeError, match=r"as written in TRL 1\.16; TRL \S+ no longer checks it the same way"):
         build_trainer(tiny_model, lora)
     assert grpo_trainer.BaseTunerLayer is real  # restored after each construction

@@ -4,9 +4,9 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
 
     __init__                           checks a disk-synced server on every process (`trl_rpp.server_sync`), then
                                        GRPO's inside `borrowed_beta` (so that it builds the reference model),
-                                       `vllm_engine_args` and `trl_lm_head_lora_allowed`, then asserts the reference
-                                       exists, sets the CPU engine's or the disk weight sync, guards a server's
-                                       client, checks score centering, reads a LoRA head
+                                       `vllm_engine_args` and `trl_lm_head_lora_allowed` (`trl_rpp.head_lora`),
+                                       then asserts the reference exists, sets the CPU engine's or the disk weight
+                                       sync, guards a server's client, checks score centering, reads a LoRA head
     train                              on resume: the newest complete checkpoint (True) or refuses a named torn one,
                                        then GRPO's, under the preemption signal handlers (`trl_rpp.preemption`)
     _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step
@@ -62,11 +62,12 @@ from .core import response_mean_k2_loss, response_mean_ppo_loss
 from .distributed import check_normalization_group
 from .engine_faults import EngineFaults, guard_server_client
 from .grad_guard import GradGuardMixin
+from .head_lora import trl_lm_head_lora_allowed, use_lora_head
 from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .preemption import Preemption
 from .rollouts import install_rollout_checks
 from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_funcs
-from .replay import head_is_whole_support, head_logps, install_head_reader, kept_sets_of_generation, lora_head
+from .replay import head_is_whole_support, head_logps, kept_sets_of_generation
 from .replay import record_width, replayed_logps, support_bound
 from .sampling import SamplerTopKCapture, capturing_generate, warn_overridden_model_sampling
 from .score_centering import importance_weight_fn, score_centered_ppo_loss
@@ -74,7 +75,7 @@ from .score_centering import score_centering_metric_sums
 from .server_sync import check_at_construction
 from .trainer_utils import FORWARD_KEYS, PolicyForward, borrowed_beta, check_score_centering_support
 from .trainer_utils import empty_batch_message, generate_vllm_with_topk, masked_max, reduce_across_processes
-from .trainer_utils import sampler_topk_of_generation, token_mask, trl_lm_head_lora_allowed
+from .trainer_utils import sampler_topk_of_generation, token_mask
 from .truncation import SamplerSupportCapture
 from .vllm_engine import use_weight_sync, vllm_engine_args
 
@@ -215,14 +216,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         if self._rpp_width:
             check_score_centering_support(self)
             self._rpp_weight_fn = importance_weight_fn(self)  # TRL's token-level sampler correction f(ratio), or None
-        # A LoRA adapter on the head: TRL's fused head would ignore it, every forward reads it (`replay.head_lowrank`).
-        self._rpp_lora_head = lora_head(self.accelerator.unwrap_model(self.model).get_output_embeddings())
-        if self._rpp_lora_head:
-            if self.aux_loss_enabled:
-                raise ValueError("a LoRA adapter on lm_head does not support an MoE router aux loss: set "
-                                 "router_aux_loss_coef=0.0, or remove lm_head from the adapter's target_modules.")
-            if not self._rpp_width:  # else check_score_centering_support installed the reader
-                install_head_reader(self.accelerator.unwrap_model(self.model))
+        # A LoRA adapter on the head: TRL's fused head would ignore it, every forward reads it (trl_rpp.head_lora).
+        self._rpp_lora_head = use_lora_head(self, reader_installed=bool(self._rpp_width))
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's card, written by `trl_rpp.model_card`: the real base model (never a `None` link), the dataset, the
