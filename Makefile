@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.trl_rpp-installed
 PIP := $(BIN)/python -m pip install --quiet -c constraints.txt
 
-.PHONY: install demo demo-tiny test test-fast test-min test-latest bench clean
+.PHONY: install demo demo-tiny test test-fast test-min test-latest bench clean cli-help
 
 install: $(STAMP)
 
@@ -36,6 +36,10 @@ $(STAMP): setup.py constraints.txt
 	# SmolLM2's conversion (about 30 s) is paid at first use, once per machine by `make demo` and once per test run
 	# by the tests (their own cache, tests/conftest.py).
 	touch $(STAMP)
+
+# `trl-rpp --help`'s snapshot for the installed TRL and transformers (trl_rpp/cli_help.py), after changing a flag.
+cli-help: $(STAMP)
+	$(BIN)/python -c "from trl_rpp import cli, cli_help; print(cli_help.write(cli.make_parser())['versions'])"
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py

@@ -94,7 +94,7 @@ def mismatch_trainer(base, correction, sigma, bias_seed=1234):
     from transformers import LogitsProcessor
 
     from mismatch_study import fixed_bias, sampled_trainer, token_truncate, token_truncate_weight_fn
-    from trl_rpp.sampling import generate_with_processor
+    from trl_rpp.patches import generate_with_processor
 
     class AddFixedBias(LogitsProcessor):
         def __init__(self):

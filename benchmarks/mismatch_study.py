@@ -325,10 +325,10 @@ class Sampler:
     @contextlib.contextmanager
     def generating(self, model, step: int):
         """Within the block, ``model.generate`` generates with the sampler at `step` (nests with the captures of
-        `trl_rpp.sampling`, which wrap it)."""
+        `trl_rpp.records.capture`, which wrap it)."""
         from transformers import LogitsProcessor
 
-        from trl_rpp.sampling import generate_with_processor
+        from trl_rpp.patches import generate_with_processor
 
         module, bias = self.at(model, step)
         with contextlib.ExitStack() as stack:
@@ -391,9 +391,8 @@ def sampled_trainer(base, generating, correct=None, weight_fn=None, setup=None, 
     """
     import torch
 
-    from trl_rpp.replay import record_width, support_bound
-    from trl_rpp.sampling import SamplerTopKCapture, capturing_generate
-    from trl_rpp.truncation import SamplerSupportCapture
+    from trl_rpp.records.settings import record_width, support_bound
+    from trl_rpp.records.capture import SamplerTopKCapture, capturing_generate, SamplerSupportCapture
 
     class SampledTrainer(base):
         def __init__(self, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""Benchmark of `trl_rpp.sampling.parse_vllm_topk` against its former per-entry Python loops (not a test).
+"""Benchmark of `trl_rpp.records.vllm.parse_vllm_topk` against its former per-entry Python loops (not a test).
 
 The input is what TRL's `extract_logprobs` returns for a vLLM batch with `logprobs=k`: per position, k entries in rank
 order, plus the sampled token as a (k+1)-th entry when it is not among them (here 30% of positions); 1% of log-probs
@@ -26,7 +26,8 @@ import time
 import numpy as np
 import torch
 
-from trl_rpp.sampling import RecordedTopK, parse_vllm_topk
+from trl_rpp.records.capture import RecordedTopK
+from trl_rpp.records.vllm import parse_vllm_topk
 
 
 def parse_vllm_topk_loops(completion_ids, logprobs, logprob_token_ids, k: int):

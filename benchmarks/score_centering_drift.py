@@ -8,7 +8,7 @@ token ids), re-synced to the trainer's current weights at every step. Every samp
 advantage A = 1, so the only systematic force in the update is the drift E_q[R] * E_q[grad log p], which fits the
 trainer to the sampler's bias. Each arm starts from the same weights and seed; the uncorrected arm uses the loss
 -A log p_y, the centered arm -A (log p_y - correction) with the sampler's top-k head captured during `generate`
-(`trl_rpp.sampling`) and `trl_rpp.score_centering_correction`. We track the trainer's probability mass on the
+(`trl_rpp.records.capture`) and `trl_rpp.score_centering_correction`. We track the trainer's probability mass on the
 biased ids, averaged over the sampled positions of a fixed evaluation batch.
 """
 
@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from trl_rpp import score_centering_correction
-from trl_rpp.sampling import SamplerTopKCapture
+from trl_rpp.records.capture import SamplerTopKCapture
 from trl_rpp.testing.tiny import build_tiny_model
 
 

@@ -51,7 +51,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
 from trl_rpp.testing.tiny import build_tiny_model, copy_first_char_reward, copy_task_dataset  # noqa: E402
-from trl_rpp.vllm_engine import use_cpu_weight_sync  # noqa: E402
+from trl_rpp.engines.vllm_colocate import use_cpu_weight_sync  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from score_centering_memory import _reset_peak, _status_kib  # noqa: E402
@@ -135,7 +135,7 @@ def make_trainer(arm, model_path, opts, outdir, memory=False):
     if opts.vllm and trainer_cls is GRPOTrainer:
         # TRL's per-parameter sync fails on vLLM's CPU backend wherever it repacks the linear weights at load (oneDNN
         # or AMX kernels; AttributeError: 'Parameter' object has no attribute 'weight_loader'). RPPTrainer syncs by
-        # reload there (trl_rpp.vllm_engine); the GRPO arm gets the same sync, so both are timed alike. On GPUs and
+        # reload there (trl_rpp.engines.vllm_colocate); the GRPO arm gets the same sync, so both are timed alike. On GPUs and
         # where vLLM falls back to torch's linear, it changes nothing.
         use_cpu_weight_sync(trainer.vllm_generation)
     return trainer, timer

@@ -129,7 +129,7 @@ def with_kept_mass(base):
     replay, on policy, TRL's ratio is that mass: the check of `full_tis`."""
     import torch
 
-    from trl_rpp.replay import completion_logits
+    from trl_rpp.records.replay import completion_logits
     from trl_rpp.truncation import ABSENT, support_of
 
     class KeptMass(base):

@@ -9,7 +9,7 @@ request by request so that machine noise hits them alike:
 - `logprobs=0`: what `RPPTrainer` asks for without score centering (GRPO's path): the sampled token's log-prob,
   read by TRL's `extract_logprobs` and `lp[0]`;
 - `logprobs=k`: what it asks for with score centering: the k most probable tokens plus the sampled one, read by
-  `extract_logprobs` and split by `trl_rpp.sampling.parse_vllm_topk` into the head and the sampled log-prob.
+  `extract_logprobs` and split by `trl_rpp.records.vllm.parse_vllm_topk` into the head and the sampled log-prob.
 
 Each arm's time is the engine's `generate` plus that reading, on the same prompts with the same seed; the sampled
 tokens are the same in both arms (asserted), so both decode exactly the same number of tokens.
@@ -48,7 +48,7 @@ def main():
     from trl.generation.vllm_generation import extract_logprobs
     from vllm import LLM, SamplingParams
 
-    from trl_rpp.sampling import parse_vllm_topk
+    from trl_rpp.records.vllm import parse_vllm_topk
 
     if opts.model is None:
         from trl_rpp.testing.assets import smollm2_path

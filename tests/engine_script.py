@@ -318,7 +318,7 @@ def fault_phase(outdir, model_path, engine, phase):
     """Run the runs of FAULT_PHASES[phase] on case rpp_ref in turn; save each one's record with what it raised
     (`preempted`) and trl_rpp's warnings. A run whose checkpoint save is killed saves its record first."""
     from checkpoint_faults import install_kill
-    from trl_rpp.preemption import TrainingPreempted
+    from trl_rpp.faults.preemption import TrainingPreempted
 
     for tag, wait_step, kill_step, resume in FAULT_PHASES[phase]:
         trainer, snaps, facts = build_case(outdir, model_path, None, engine, "rpp_ref", save_steps=FAULT_SAVE_STEPS)

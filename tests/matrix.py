@@ -213,8 +213,7 @@ def rollout_func(prompts, trainer):
     replayed truncation the record's lists (`logprob_token_ids`), as vLLM reports them."""
     import torch
 
-    from trl_rpp.sampling import SamplerTopKCapture, capturing_generate
-    from trl_rpp.truncation import SamplerSupportCapture
+    from trl_rpp.records.capture import SamplerTopKCapture, capturing_generate, SamplerSupportCapture
 
     tokenizer = trainer.processing_class
     model = trainer.accelerator.unwrap_model(trainer.model)

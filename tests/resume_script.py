@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
-from trl_rpp.preemption import TrainingPreempted  # noqa: E402
+from trl_rpp.faults.preemption import TrainingPreempted  # noqa: E402
 from trl_rpp.testing.tiny import copy_task_dataset  # noqa: E402
 
 from checkpoint_faults import KILL_POINTS, install_kill  # noqa: E402

@@ -18,7 +18,7 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from trainer_helpers import CaptureTrainer, finish_launched, make_args  # noqa: E402
-from trl_rpp.reward_faults import RewardFunctionError  # noqa: E402
+from trl_rpp.faults.rewards import RewardFunctionError  # noqa: E402
 from trl_rpp.testing.tiny import copy_task_dataset  # noqa: E402
 
 RANK = int(os.environ["RANK"])

@@ -1,4 +1,4 @@
-"""The generation buffer in a checkpoint (`trl_rpp.checkpoint`): atomic write, and errors that name the damaged file;
+"""The generation buffer in a checkpoint (`trl_rpp.faults.checkpoint`): atomic write, and errors that name the damaged file;
 what a complete checkpoint is, file by file, and `resume_from_checkpoint=True` skipping a torn one. The real kills at
 each point of a checkpoint's write are in tests/test_resume.py; a write that fails (a full disk, an I/O error) at each
 point is here."""
@@ -17,20 +17,10 @@ import torch
 from checkpoint_faults import install_kill
 from trainer_helpers import make_args
 from trl_rpp import RPPTrainer
-from trl_rpp.checkpoint import (
-    WEIGHT_FILES,
-    CheckpointSaveError,
-    DamagedCheckpointError,
-    ResumeLayout,
-    buffer_needed,
-    buffer_path,
-    checkpoint_problem,
-    layout_of,
-    load_generation_buffer,
-    newest_complete_checkpoint,
-    read_global_step,
-    required_files,
-    save_generation_buffer,
+from trl_rpp.faults.checkpoint import (
+    WEIGHT_FILES, CheckpointSaveError, DamagedCheckpointError, ResumeLayout, buffer_needed, buffer_path,
+    checkpoint_problem, layout_of, load_generation_buffer, newest_complete_checkpoint, read_global_step,
+    required_files, save_generation_buffer,
 )
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
@@ -112,7 +102,7 @@ def test_an_error_that_is_not_damage_propagates_as_itself_naming_the_file(tmp_pa
     the folder"): it keeps its type, with the file and its checkpoint named (a note, or a log before Python 3.11)."""
     folder = str(tmp_path / "checkpoint-3")
     path = save_generation_buffer(folder, 0, 3, [{"advantages": torch.randn(8, 4)}])
-    with caplog.at_level(logging.ERROR, logger="trl_rpp.checkpoint"), pytest.raises(error) as info:
+    with caplog.at_level(logging.ERROR, logger="trl_rpp.faults.checkpoint"), pytest.raises(error) as info:
         load_generation_buffer(folder, 0, required=True, map_location=map_location)
     assert not isinstance(info.value, DamagedCheckpointError)
     named = " ".join(getattr(info.value, "__notes__", [])) + caplog.text

@@ -73,7 +73,7 @@ def test_help_rebuilt_from_its_capture_prints_the_live_help(monkeypatch, columns
 
 def test_shipped_help_is_the_live_help_of_the_installed_versions(monkeypatch, capsys):
     """The help `trl-rpp --help` prints from `cli_help.json` is the live parser's, for the versions installed here
-    (`make install`'s): a changed flag or help text without `python -m trl_rpp.cli_help --write` fails here. With
+    (`make install`'s): a changed flag or help text without `make cli-help` fails here. With
     versions it was not written for, `--help` builds the live parser instead."""
     from trl_rpp import cli_help
 
@@ -81,7 +81,7 @@ def test_shipped_help_is_the_live_help_of_the_installed_versions(monkeypatch, ca
     monkeypatch.setattr(sys, "argv", ["trl-rpp"])
     shipped = cli_help.cached_parser()
     assert shipped is not None, (f"cli_help.json has no help for {cli_help.installed_versions()}: run "
-                                 "`python -m trl_rpp.cli_help --write`")
+                                 "`make cli-help`")
     live = cli.make_parser().format_help()
     assert shipped.format_help() == live
     with pytest.raises(SystemExit) as stop:
@@ -456,3 +456,19 @@ def test_cli_trains_with_train_and_test_splits_and_writes_the_card(tmp_path):
     assert "'rewards/copies/mean'" in log and "'rewards/m/mean'" in log  # the function and the reward model
     card = (out / "README.md").read_text()
     assert "REINFORCE++" in card and "None" not in card
+
+
+def test_the_help_snapshot_never_imports_the_cli():
+    """`trl_rpp.cli` reads `cli_help` for a bare `--help`; `cli_help` takes the live parser as an argument (`write`),
+    so the two modules never import each other."""
+    import ast
+    from pathlib import Path
+
+    from trl_rpp import cli_help
+
+    tree = ast.parse(Path(cli_help.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom):
+            imported |= {n.module or ""} | {f"{n.module or ''}.{a.name}" for a in n.names}
+    assert not {m for m in imported if m.split(".")[-1] == "cli" or m.startswith("trl_rpp")}, imported

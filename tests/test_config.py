@@ -195,7 +195,7 @@ def test_every_generation_config_field_is_classified():
     the temperature. A field a new transformers adds fails here until it is classified; each default is neutral."""
     from transformers import GenerationConfig
 
-    from trl_rpp.sampling import INERT_GENERATION, NEUTRAL_SAMPLING
+    from trl_rpp.records.settings import INERT_GENERATION, NEUTRAL_SAMPLING
 
     defaults = GenerationConfig().to_dict()
     assert not set(NEUTRAL_SAMPLING) & INERT_GENERATION
@@ -209,7 +209,7 @@ def test_every_vllm_sampling_params_field_is_classified():
     """The same for vLLM's `SamplingParams`, in its own names (`NEUTRAL_VLLM_SAMPLING`, `INERT_VLLM_SAMPLING`)."""
     from vllm import SamplingParams
 
-    from trl_rpp.sampling import INERT_VLLM_SAMPLING, NEUTRAL_VLLM_SAMPLING
+    from trl_rpp.records.settings import INERT_VLLM_SAMPLING, NEUTRAL_VLLM_SAMPLING
 
     fields = set(SamplingParams.__struct_fields__)
     assert not set(NEUTRAL_VLLM_SAMPLING) & INERT_VLLM_SAMPLING

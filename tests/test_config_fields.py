@@ -82,7 +82,7 @@ GRPO_FIELDS = {
     "generation_batch_size": inherited(bad=[0]),
     "steps_per_generation": honored(bad=[0], ok=2),  # buffered generation batch saved in checkpoints
     "temperature": honored(bad=[0.0, -1.0, NAN, INF], ok=0.7),  # log-probs at the sampling temperature
-    # A truncation is replayed (trl_rpp.replay); top_k bounds the kept sets (top_p or min_p alone: tests/test_replay.py)
+    # A truncation is replayed (trl_rpp.records.replay); top_k bounds the kept sets (top_p or min_p alone: tests/test_replay.py)
     "top_p": honored(),
     "top_k": honored(bad=[257], ok=6),
     "min_p": honored(),
@@ -178,7 +178,7 @@ RPP_FIELDS = {
         honored={RPP: ({"score_centering": True}, 8), BASE: ({"score_centering": True}, 8)},
         ignored={RPP: ({"score_centering": False}, [8]), BASE: ({"score_centering": False}, [64])},
     ),
-    # Read where a setting truncates the sampler (trl_rpp.replay); nothing reads it where none does.
+    # Read where a setting truncates the sampler (trl_rpp.records.replay); nothing reads it where none does.
     "replay_sampler_support": dict(
         honored={RPP: ({"top_k": 6}, False), BASE: ({"top_p": 0.9, "top_k": 20}, False)},
         ignored={RPP: ({}, [False]), BASE: ({}, [False])},
@@ -187,12 +187,12 @@ RPP_FIELDS = {
         honored={RPP: ({"use_vllm": True}, "float32"), BASE: ({"use_vllm": True}, "float32")},
         ignored={RPP: ({"use_vllm": False}, ["float32"]), BASE: ({"use_vllm": False}, ["bfloat16"])},
     ),
-    "vllm_server_request_timeout": dict(  # read by the server's client (trl_rpp.engine_faults)
+    "vllm_server_request_timeout": dict(  # read by the server's client (trl_rpp.faults.engine)
         honored={RPP: ({"use_vllm": True, "vllm_mode": "server"}, 60.0),
                  BASE: ({"use_vllm": True, "vllm_mode": "server"}, None)},
         ignored={RPP: ({"use_vllm": False}, [60.0, None]), BASE: ({"use_vllm": True, "vllm_mode": "colocate"}, [60.0])},
     ),
-    "vllm_server_weight_sync": dict(  # the server's weight transport (trl_rpp.server_sync)
+    "vllm_server_weight_sync": dict(  # the server's weight transport (trl_rpp.engines.vllm_server)
         honored={RPP: (dict(use_vllm=True, vllm_mode="server", vllm_server_weight_dir="/tmp/w"), "disk"),
                  BASE: (dict(use_vllm=True, vllm_mode="server", vllm_server_weight_dir="/tmp/w"), "disk")},
         ignored={RPP: ({"use_vllm": False}, ["disk"]), BASE: ({"use_vllm": True, "vllm_mode": "colocate"}, ["disk"])},
@@ -202,7 +202,7 @@ RPP_FIELDS = {
                  BASE: (dict(use_vllm=True, vllm_mode="server", vllm_server_weight_sync="disk"), "/tmp/w")},
         ignored={RPP: ({"use_vllm": True, "vllm_mode": "server"}, ["/tmp/w"]), BASE: ({}, ["/tmp/w"])},
     ),
-    # Read by trl_rpp.grad_guard, except under fp16's gradient scaler (and DeepSpeed), which skip such steps themselves.
+    # Read by trl_rpp.faults.gradients, except under fp16's gradient scaler (and DeepSpeed), which skip such steps themselves.
     "max_consecutive_skipped_steps": dict(
         honored={RPP: ({}, 0), BASE: ({}, 2)}, ignored={RPP: ({"fp16": True}, [0]), BASE: ({"fp16": True}, [2])},
     ),

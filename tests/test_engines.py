@@ -324,7 +324,7 @@ def engine_checkpoint_problem(folder, engine, rank):
     """Why `folder` cannot be resumed by process `rank` of rpp_ref's run under `engine`, or None: trl_rpp's own
     judgement (`checkpoint_problem`: trainer_state.json, the generation buffer, the RNG state, the scheduler), then
     the engine's own files (`engine_files`)."""
-    from trl_rpp.checkpoint import ResumeLayout, checkpoint_problem, required_files
+    from trl_rpp.faults.checkpoint import ResumeLayout, checkpoint_problem, required_files
 
     layout = ResumeLayout(rank, 2, 2, 1, required_files(rank, 2, "deepspeed" if engine == "zero3" else "fsdp"))
     problem = checkpoint_problem(str(folder), layout)

@@ -1,4 +1,4 @@
-"""Non-finite gradients (`trl_rpp.grad_guard`): a step whose gradient norm is NaN or Inf is skipped on every process,
+"""Non-finite gradients (`trl_rpp.faults.gradients`): a step whose gradient norm is NaN or Inf is skipped on every process,
 bit for bit, with a warning and a metric; too many in a row stop training with `NonFiniteGradientError`.
 
 The fault is real: a forward hook makes the final hidden states infinite in one step's loss forward
@@ -17,7 +17,7 @@ from accelerate.utils import DistributedType
 from grad_guard_script import InfHiddenStates, Snapshots, identical, varied_reward
 from trainer_helpers import make_args
 from trl_rpp import RPPConfig, RPPTrainer
-from trl_rpp.grad_guard import (
+from trl_rpp.faults.gradients import (
     GradGuard, NonFiniteGradientError, as_float, consecutive_after, count_skipped, guard_applies,
 )  # fmt: skip
 from trl_rpp.testing.tiny import copy_task_dataset

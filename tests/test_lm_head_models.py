@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from trl_rpp.replay import head_logps, head_transform, install_head_reader
+from trl_rpp.records.replay import head_logps
+from trl_rpp.records.head import head_transform, install_head_reader
 from trl_rpp.score_centering import sampled_and_head_logps
 from trl_rpp.truncation import ABSENT, support_logps
 
@@ -376,7 +377,7 @@ def full_logits_reference(trainer, model, inputs):
     """The loss forward's log-probs from the `[B, T, V]` logits of PEFT's own forward (the adapter applied by
     `lora.Linear.forward`): `support_logps` over the kept sets with replay, else the full softmax; with score
     centering also at the sampler's head ids."""
-    from trl_rpp.trainer_utils import PolicyForward
+    from trl_rpp.batch import PolicyForward
 
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -462,13 +463,13 @@ def test_lm_head_adapters_the_trainer_cannot_train_exactly_are_refused_at_constr
     """cast_lm_head_to_fp32 with a LoRA head (before any model is loaded, and with a PeftModel), vLLM with a LoRA head
     tied to the input embeddings (before any engine is built), DoRA on the head
     (naming use_dora), an adapter type other than LoRA on the head (TRL's own refusal, still in force), and a TRL whose
-    refusal is no longer the one `trl_lm_head_lora_allowed` was written against (naming the TRL version)."""
+    refusal is no longer the one `trl_rpp.patches.lm_head_lora_allowed` was written against (naming the TRL version)."""
     from peft import IA3Config, LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from trl.trainer import grpo_trainer
 
     from trainer_helpers import length_reward, make_args
-    from trl_rpp import RPPTrainer, head_lora
+    from trl_rpp import RPPTrainer, patches
     from trl_rpp.testing.tiny import copy_task_dataset
 
     def build_trainer(model, peft_config=None, **kw):
@@ -496,7 +497,7 @@ def test_lm_head_adapters_the_trainer_cannot_train_exactly_are_refused_at_constr
     with pytest.raises(ValueError, match=r"Applying a PEFT adapter to `lm_head` is not supported"):
         build_trainer(tiny_model, IA3Config(target_modules=["lm_head", "down_proj"], feedforward_modules=["down_proj"]))
     real = grpo_trainer.BaseTunerLayer
-    monkeypatch.setattr(head_lora, "TRL_LM_HEAD_REFUSAL", "a check this TRL does not have")
+    monkeypatch.setattr(patches, "TRL_LM_HEAD_REFUSAL", "a check this TRL does not have")
     with pytest.raises(RuntimeError, match=r"as written in TRL 1\.16; TRL \S+ no longer checks it the same way"):
         build_trainer(tiny_model, lora)
     assert grpo_trainer.BaseTunerLayer is real  # restored after each construction

@@ -20,7 +20,7 @@ from reference import (
     ref_response_mean_ppo_loss,
 )
 from trainer_helpers import initial_model_logps, make_args
-from trl_rpp.rollouts import check_external_mask
+from trl_rpp.records.multi_turn import check_external_mask
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 # Largest |trainer - reference| seen, per check; printed at the end of each test (run with -s).

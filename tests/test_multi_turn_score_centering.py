@@ -1,6 +1,6 @@
 """Score centering through multi-turn rollouts: TRL's tool loop (`tools`, `environment_factory`) and a `rollout_func`.
 
-Unit tests of `trl_rpp.multi_turn` against a plain simulation of TRL's tool loop; then real RPPTrainer runs on the
+Unit tests of `trl_rpp.records.multi_turn` against a plain simulation of TRL's tool loop; then real RPPTrainer runs on the
 tiny tool-calling model (`tests/tool_model.py`): the captured heads at the model tokens are the sampler's real
 distribution (recomputed in float64 from the initial weights), the centered gradient there is the single-turn
 formula of tests/test_score_centering.py with the holes masked, and NaN/Inf at the holes changes nothing.
@@ -18,9 +18,9 @@ from test_score_centering import expected_centered_score
 from tool_model import MultiplyEnv, correct_product_reward, multiply, tool_dataset
 from trainer_helpers import CaptureTrainer, make_args
 from trl_rpp import RPPTrainer
-from trl_rpp.multi_turn import align_turn_captures, model_segments, rollout_sampler_topk
+from trl_rpp.records.multi_turn import align_turn_captures, model_segments, rollout_sampler_topk
 from trl_rpp.score_centering import sampled_and_head_logps, score_centered_ppo_loss
-from trl_rpp.trainer_utils import token_mask
+from trl_rpp.batch import token_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import multi_turn as example  # noqa: E402
@@ -28,7 +28,7 @@ import multi_turn as example  # noqa: E402
 NEG_INF = float("-inf")
 
 
-# --- trl_rpp.multi_turn, against a plain simulation of TRL's tool loop --------------------------------------------
+# --- trl_rpp.records.multi_turn, against a plain simulation of TRL's tool loop --------------------------------------------
 
 
 @pytest.mark.parametrize(

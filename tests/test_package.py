@@ -42,11 +42,11 @@ GRPO_METHODS = {
     "_compute_loss": "self, model, inputs",
     "_save_checkpoint": "self, model, trial",
     "_load_optimizer_and_scheduler": "self, checkpoint",
-    "_get_grad_norm": "self, model, grad_norm=None",  # Trainer's; `GradGuardMixin` (trl_rpp.grad_guard) overrides it
+    "_get_grad_norm": "self, model, grad_norm=None",  # Trainer's; `GradGuardMixin` (trl_rpp.faults.gradients) overrides it
     "_generate": "self, prompts",
     "train": "self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None",  # Trainer's
     "create_model_card": "self, model_name=None, dataset_name=None, tags=None",
-    # called, or wrapped (`_tool_call_loop`, trl_rpp.rollouts)
+    # called, or wrapped (`_tool_call_loop`, trl_rpp.records.multi_turn)
     "_get_per_token_logps_and_entropies": (
         "self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, "
         "compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, pixel_attention_mask=None, "
@@ -163,7 +163,7 @@ def test_grpo_methods_the_package_unpacks_keep_their_return_order(name):
 
 def test_vllm_generation_members_the_package_uses():
     """`VLLMGeneration.generate`'s tuple (`trainer_utils.generate_vllm_with_topk`), and the members that
-    `trl_rpp.vllm_engine` reads or replaces on the instance."""
+    `trl_rpp.engines.vllm_colocate` reads or replaces on the instance."""
     from trl.generation.vllm_generation import VLLMGeneration
 
     assert _params(VLLMGeneration.generate) == "self, prompts, images, num_generations, profiler=None"
@@ -177,7 +177,7 @@ def test_vllm_generation_members_the_package_uses():
 
 
 def test_the_server_url_checked_at_construction_is_the_one_trls_client_uses():
-    """`trl_rpp.server_sync.server_url` repeats how TRL makes the server's URL (`VLLMGeneration._init_vllm`,
+    """`trl_rpp.engines.vllm_server.server_url` repeats how TRL makes the server's URL (`VLLMGeneration._init_vllm`,
     `VLLMClient.__init__`): the construction check must ask the server TRL's client will use."""
     from trl.generation.vllm_client import VLLMClient
     from trl.generation.vllm_generation import VLLMGeneration
@@ -194,7 +194,7 @@ def test_the_vllm_branch_that_trainer_utils_copies_is_unchanged():
     not silently dropped."""
     from trl import GRPOTrainer
 
-    from trl_rpp.trainer_utils import vllm_generate
+    from trl_rpp.patches import vllm_generate
 
     [theirs] = _calls_of(GRPOTrainer._generate_single_turn, "self.vllm_generation.generate")
     [ours] = _calls_of(vllm_generate, "trainer.vllm_generation.generate")
@@ -239,7 +239,7 @@ def test_vllm_engine_args_reach_the_engine_trl_builds(monkeypatch):
     while TRL looks `LLM` up there at call time: checked on TRL's source, then the swap itself, on a recorder."""
     import trl.generation.vllm_generation as vllm_generation
 
-    from trl_rpp.vllm_engine import vllm_engine_args
+    from trl_rpp.patches import vllm_engine_args
 
     module = ast.parse(inspect.getsource(vllm_generation))
     calls = [n for n in ast.walk(module) if isinstance(n, ast.Call) and ast.unparse(n.func) == "LLM"]

@@ -1,4 +1,4 @@
-"""Graceful preemption (`trl_rpp.preemption`): real signals to a running training process, with one process and with
+"""Graceful preemption (`trl_rpp.faults.preemption`): real signals to a running training process, with one process and with
 two (`accelerate launch`, gloo on CPU). The process finishes its optimizer step, saves a complete checkpoint and exits
 with status 75; resuming from that checkpoint gives the uninterrupted run's per-step numbers exactly."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from trainer_helpers import assert_launch_finished, launch_command, make_args
 from trl_rpp import RPPConfig, RPPTrainer
-from trl_rpp.checkpoint import ResumeLayout, checkpoint_problem, required_files
-from trl_rpp.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, parse_preemption_signals
+from trl_rpp.faults.checkpoint import ResumeLayout, checkpoint_problem, required_files
+from trl_rpp.faults.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, parse_preemption_signals
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,4 +1,4 @@
-"""A truncating sampler replayed in `RPPTrainer` (`trl_rpp.replay`): the settings that switch it on and their
+"""A truncating sampler replayed in `RPPTrainer` (`trl_rpp.records.replay`): the settings that switch it on and their
 bound, the on-policy identity on transformers' path (the sampler is the trainer itself, the same float32 weights),
 and the loss gradient against a float64 reference written with `log pi(y | S)`.
 
@@ -14,10 +14,11 @@ import torch
 
 from trainer_helpers import CaptureTrainer, length_reward, make_args
 from trl_rpp import RPPConfig
-from trl_rpp.replay import MAX_SUPPORT, support_bound, truncating
-from trl_rpp.sampling import capturing_generate
+from trl_rpp.records.settings import MAX_SUPPORT, support_bound, truncating
+from trl_rpp.records.capture import capturing_generate
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
-from trl_rpp.truncation import ABSENT, SamplerSupportCapture, support_of
+from trl_rpp.truncation import ABSENT, support_of
+from trl_rpp.records.capture import SamplerSupportCapture
 
 CPU = dict(output_dir="unused", use_cpu=True, bf16=False, report_to="none")
 RATIO_ATOL = 1e-5
@@ -289,7 +290,7 @@ def test_a_closed_head_drops_the_tail_term_whose_gradient_is_zero_anyway():
 def test_full_engine_records_become_mask_holes():
     """A position whose record is full (no absent slot, narrower than the vocabulary) may hide tied kept ids: it
     becomes a mask hole. Others, tool tokens and padding past a completion are left as they are."""
-    from trl_rpp.replay import mask_full_records
+    from trl_rpp.records.replay import mask_full_records
     from trl_rpp.truncation import ABSENT
 
     A = ABSENT

@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from trl_rpp.checkpoint import (DamagedCheckpointError, ResumeLayout, checkpoint_problem, newest_complete_checkpoint,
-                                 required_files)
+from trl_rpp.faults.checkpoint import (
+    DamagedCheckpointError, ResumeLayout, checkpoint_problem, newest_complete_checkpoint, required_files,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1")
@@ -149,7 +150,7 @@ def test_sigkill_during_checkpoint_write(tmp_path, kill_reference, point):
                                         checkpoint4), env=ENV, capture_output=True, text=True, timeout=600)
         assert refused.returncode != 0
         error = refused.stderr.strip().splitlines()[-1]
-        assert error.startswith("trl_rpp.checkpoint.DamagedCheckpointError: "), refused.stderr[-3000:]
+        assert error.startswith("trl_rpp.faults.checkpoint.DamagedCheckpointError: "), refused.stderr[-3000:]
         assert os.path.join(checkpoint4, "trainer_state.json") in error, error
         assert f"Delete the folder {checkpoint4} and resume again" in error, error
     resume = script("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--resume")

@@ -1,4 +1,4 @@
-"""Reward functions that raise or hang (`reward_errors`, `reward_timeout`; `trl_rpp.reward_faults`): real exceptions,
+"""Reward functions that raise or hang (`reward_errors`, `reward_timeout`; `trl_rpp.faults.rewards`): real exceptions,
 real hangs (`time.sleep`, `asyncio.sleep`), in one process here and in two processes in
 `test_one_process_failing_never_leaves_the_other_waiting`."""
 
@@ -15,7 +15,7 @@ import torch
 
 from trainer_helpers import LAUNCH_ENV, CaptureTrainer, assert_launch_finished, launch_command, length_reward, make_args
 from trl_rpp import RPPConfig
-from trl_rpp.reward_faults import RewardFunctionError, _TimedOut, call_in_thread
+from trl_rpp.faults.rewards import RewardFunctionError, _TimedOut, call_in_thread
 from trl_rpp.testing.tiny import copy_task_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -225,8 +225,8 @@ def test_call_in_thread_returns_re_raises_or_stops_waiting():
 def test_a_judge_that_never_returns_takes_a_bounded_number_of_threads():
     """Many steps of a judge that never returns (released at the end): each call holds a worker until it returns, the
     threads never exceed `REWARD_WORKERS`, and once every worker is held the next call fails at once, saying so."""
-    from trl_rpp import reward_faults
-    from trl_rpp.reward_faults import REWARD_WORKERS, RewardFaults
+    from trl_rpp.faults import rewards as reward_faults
+    from trl_rpp.faults.rewards import REWARD_WORKERS, RewardFaults
 
     release = threading.Event()
 

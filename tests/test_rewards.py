@@ -13,7 +13,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trainer_helpers import CaptureTrainer, make_args
 from trl_rpp import RPPTrainer
-from trl_rpp.rewards import guard_reward_func
+from trl_rpp.faults.rewards import guard_reward_func
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
 
@@ -74,7 +74,7 @@ def grpo_args(tmp_path, **kw):
     return GRPOConfig(**base)
 
 
-FAULT_KEYS = ("/errors", "/timeouts")  # RPPTrainer's counts of failed calls (trl_rpp.reward_faults); GRPO has none
+FAULT_KEYS = ("/errors", "/timeouts")  # RPPTrainer's counts of failed calls (trl_rpp.faults.rewards); GRPO has none
 
 
 def reward_keys(trainer, faults=False):

@@ -9,7 +9,7 @@ from transformers import TrainerCallback
 
 from trainer_helpers import CaptureTrainer, make_args
 from trl_rpp import RPPConfig, RPPTrainer
-from trl_rpp.reward_faults import RewardFunctionError
+from trl_rpp.faults.rewards import RewardFunctionError
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
 EST = ["reinforce_plus_plus", "reinforce_plus_plus_baseline"]

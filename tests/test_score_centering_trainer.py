@@ -70,7 +70,7 @@ def test_capture_nests_under_an_outer_generate_wrapper_and_sees_its_processor(ti
     block restores exactly the `generate` it found."""
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-    from trl_rpp.sampling import SamplerTopKCapture, capturing_generate
+    from trl_rpp.records.capture import SamplerTopKCapture, capturing_generate
 
     class Bias(LogitsProcessor):
         def __call__(self, input_ids, scores):

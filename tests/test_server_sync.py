@@ -1,4 +1,4 @@
-"""`trl_rpp.server_sync`'s weights file, read back by safetensors' own loader, and what a failed write leaves; a server
+"""`trl_rpp.engines.vllm_server`'s weights file, read back by safetensors' own loader, and what a failed write leaves; a server
 that cannot be reached at construction, with one and two processes. The transport against a real vLLM server is
 tests/test_vllm_engine.py (`vllm_server_weight_sync="disk"`)."""
 
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from trl_rpp import RPPConfig, RPPTrainer
-from trl_rpp.server_sync import FILE, PARTIAL, ServerWeightSyncError, write_safetensors
+from trl_rpp.engines.vllm_server import FILE, PARTIAL, ServerWeightSyncError, write_safetensors
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
 TENSORS = {

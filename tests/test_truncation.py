@@ -142,8 +142,8 @@ def test_the_capture_holds_what_generate_kept(tiny_model, settings):
     sampled token."""
     from transformers import AutoModelForCausalLM
 
-    from trl_rpp.sampling import capturing_generate
-    from trl_rpp.truncation import SamplerSupportCapture, support_of
+    from trl_rpp.records.capture import capturing_generate, SamplerSupportCapture
+    from trl_rpp.truncation import support_of
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     temperature = settings.get("temperature", 1.0)
@@ -185,8 +185,8 @@ def test_a_kept_set_larger_than_the_record_is_cut_to_it_and_sampled_from_it(tiny
     replay's set), and the positions that overflowed are counted."""
     from transformers import AutoModelForCausalLM
 
-    from trl_rpp.sampling import capturing_generate
-    from trl_rpp.truncation import SamplerSupportCapture, support_of
+    from trl_rpp.records.capture import capturing_generate, SamplerSupportCapture
+    from trl_rpp.truncation import support_of
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     prompt = torch.tensor([[3, 4]] * 8)
@@ -213,9 +213,9 @@ def test_ties_at_the_kth_score_fit_in_the_record(tiny_model):
     (`record_width(2)` = 4 ids) holds them, each at log q_S = log(1/3); a top_k-wide record could not."""
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-    from trl_rpp.replay import record_width
-    from trl_rpp.sampling import capturing_generate
-    from trl_rpp.truncation import SamplerSupportCapture, support_of
+    from trl_rpp.records.settings import record_width
+    from trl_rpp.records.capture import capturing_generate, SamplerSupportCapture
+    from trl_rpp.truncation import support_of
 
     class Tied(LogitsProcessor):  # runs before the warpers: ids 5, 6, 7 tie, 8 is next
         def __call__(self, input_ids, scores):
@@ -252,8 +252,8 @@ def test_the_capture_runs_inside_a_peft_model(tiny_model):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from trl_rpp.sampling import capturing_generate
-    from trl_rpp.truncation import SamplerSupportCapture, support_of
+    from trl_rpp.records.capture import capturing_generate, SamplerSupportCapture
+    from trl_rpp.truncation import support_of
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
@@ -276,8 +276,7 @@ def test_a_generate_that_bypasses_the_capture_is_named(tiny_model):
     names the capture and the wrapper, never a feature that is off."""
     from transformers import AutoModelForCausalLM
 
-    from trl_rpp.sampling import capturing_generate
-    from trl_rpp.truncation import SamplerSupportCapture
+    from trl_rpp.records.capture import capturing_generate, SamplerSupportCapture
 
     class Wrapper(torch.nn.Module):
         def __init__(self, inner):
@@ -304,7 +303,7 @@ def test_a_models_own_sampling_defaults_are_named_when_the_sampler_does_not_use_
     here through the processors `generate` builds), and the trainer says so, naming each one."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from trl_rpp.sampling import overridden_model_sampling
+    from trl_rpp.records.settings import overridden_model_sampling
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     model.generation_config.update(do_sample=True, temperature=0.6, top_k=20, top_p=0.95)

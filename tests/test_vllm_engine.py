@@ -24,7 +24,7 @@ import torch
 from reference import ref_global_masked_normalize, ref_group_mean_advantages, ref_reinforce_pp_returns
 from test_engines import launch
 from trainer_helpers import IS_MODES, IS_STEPS_PER_MODE, free_port
-from trl_rpp.replay import record_width
+from trl_rpp.records.settings import record_width
 from trl_rpp.testing.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -481,7 +481,7 @@ def test_server_generation_gives_the_trainers_top_k(vllm_server, vllm_model):
     initial weights, so the trainer's distribution is the checkpoint's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_rpp.sampling import parse_vllm_topk
+    from trl_rpp.records.vllm import parse_vllm_topk
 
     tok = AutoTokenizer.from_pretrained(vllm_model)
     model = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32).eval()
@@ -514,8 +514,8 @@ def test_server_generation_gives_the_kept_set_of_a_truncating_sampler(vllm_serve
     tokens at every position, and their log-probs log q_S, the trainer's renormalized over them; the rest -inf."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_rpp.replay import record_width
-    from trl_rpp.sampling import parse_vllm_topk
+    from trl_rpp.records.settings import record_width
+    from trl_rpp.records.vllm import parse_vllm_topk
     from trl_rpp.truncation import ABSENT, support_of
 
     tok = AutoTokenizer.from_pretrained(vllm_model)
@@ -559,7 +559,7 @@ def test_a_server_that_stops_answering_fails_the_call_within_the_time_limit(vllm
     import requests
     from trl.generation.vllm_client import VLLMClient
 
-    from trl_rpp.engine_faults import EngineFaults, guard_client
+    from trl_rpp.faults.engine import EngineFaults, guard_client
 
     # A first request warms the server up unguarded: on a loaded 2-core machine it can outlast a short limit.
     VLLMClient(base_url=vllm_server.base_url).generate(prompts=[[3, 4, 5]], n=1, max_tokens=4)

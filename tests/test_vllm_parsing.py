@@ -15,8 +15,8 @@ import pytest
 import torch
 from trl.generation.vllm_generation import extract_logprobs
 
-from trl_rpp.sampling import parse_vllm_topk
-from trl_rpp.vllm_engine import vllm_engine_args
+from trl_rpp.records.vllm import parse_vllm_topk
+from trl_rpp.patches import vllm_engine_args
 
 
 def request(positions):
@@ -299,7 +299,7 @@ class AnsweringEngine:
 def topk_trainer(engine):
     """An `RPPTrainer` holding only what its vLLM top-k generation reads (no model, no engine start)."""
     from trl_rpp import RPPTrainer
-    from trl_rpp.engine_faults import EngineFaults
+    from trl_rpp.faults.engine import EngineFaults
 
     trainer = object.__new__(RPPTrainer)
     trainer.use_vllm, trainer._rpp_width, trainer._rpp_engine_faults = True, 2, EngineFaults()

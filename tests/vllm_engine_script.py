@@ -245,8 +245,8 @@ def train_until_the_engine_fails(trainer):
     engine call, and the checkpoints left."""
     import time
 
-    from trl_rpp.checkpoint import checkpoint_problem, layout_of
-    from trl_rpp.engine_faults import GenerationEngineError
+    from trl_rpp.faults.checkpoint import checkpoint_problem, layout_of
+    from trl_rpp.faults.engine import GenerationEngineError
 
     calls = trainer.vllm_generation.llm.generate
     failed_at = []
@@ -291,8 +291,8 @@ def preempted_then_resumed(outdir, model_path, name, spec, initial_probe):
 
     from transformers import TrainerCallback
 
-    from trl_rpp.checkpoint import checkpoint_problem, layout_of
-    from trl_rpp.preemption import TrainingPreempted
+    from trl_rpp.faults.checkpoint import checkpoint_problem, layout_of
+    from trl_rpp.faults.preemption import TrainingPreempted
 
     class SigtermAtStep1(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):

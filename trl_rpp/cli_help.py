@@ -8,14 +8,16 @@ rebuilds the parser from that file (`cached_parser`), and argparse formats it as
 other versions, or any other arguments, the live parser answers. `tests/test_cli.py` checks that both print the same
 text, so an edit to a field's help that is not written here fails there.
 
-    python -m trl_rpp.cli_help --write      # after changing a flag or its help, or for other TRL/transformers versions
+    make cli-help      # after changing a flag or its help, or for other TRL/transformers versions
+
+`trl_rpp.cli` imports this module (lazily, for a bare `--help`); this module never imports it: `write` takes the
+live parser it captures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -100,24 +102,17 @@ def cached_parser(prog: str | None = None) -> argparse.ArgumentParser | None:
     return None
 
 
-def write(path: Path = CACHE) -> dict:
-    """Capture the live `trl-rpp` parser for the installed versions into `path`, replacing their earlier entry and
-    keeping the others."""
-    from trl_rpp.cli import make_parser
-
+def write(parser: argparse.ArgumentParser, path: Path = CACHE) -> dict:
+    """Capture `parser` (the live `trl-rpp` parser, `trl_rpp.cli.make_parser()`) for the installed versions into
+    `path`, replacing their earlier entry and keeping the others."""
     versions = installed_versions()
     try:
         entries = [e for e in json.loads(path.read_text()) if e["versions"] != versions]
     except (OSError, ValueError):
         entries = []
-    entry = {"versions": versions, "spec": capture(make_parser())}
+    entry = {"versions": versions, "spec": capture(parser)}
     entries.append(entry)
     entries.sort(key=lambda e: [e["versions"][p] or "" for p in PACKAGES])
     path.write_text(json.dumps(entries, indent=1, ensure_ascii=False) + "\n")
     return entry
 
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["--write"]:
-        sys.exit("usage: python -m trl_rpp.cli_help --write")
-    print(f"{CACHE}: help written for {write()['versions']}")

