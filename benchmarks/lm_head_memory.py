@@ -2,6 +2,7 @@
 
     python benchmarks/lm_head_memory.py                                  # V = 49,152 and 151,936; N = 2,048 to 16,384
     python benchmarks/lm_head_memory.py --vocabs 512 --positions 64,128 --hidden 16     # smoke run
+    python benchmarks/lm_head_memory.py --arms replay --frozen-input-embedding           # the head's own V-dependence
 
 The model is a random-init Llama with one layer of hidden size `--hidden` (128) and a head of V ids; a batch of 2
 sequences of 16 prompt and N / 2 completion tokens. The arms, each in its own process:
@@ -12,7 +13,9 @@ sequences of 16 prompt and N / 2 completion tokens. The arms, each in its own pr
 - `both`: score centering over the kept sets (the head: the kept set's first 32 slots).
 
 Each step's loss is the sum of the log-probs it returns, backpropagated to every parameter (gradients allocated
-before the step, so they are not counted). Measured quantity: the process's peak resident memory (Linux `VmHWM`,
+before the step, so they are not counted). With `--frozen-input-embedding` the input embedding (untied from the head)
+gets no gradient in any arm: its backward writes a dense `[V, H]` gradient, a cost of the backbone that grows with V
+whatever the head does, so this isolates the head's own dependence on V. Measured quantity: the process's peak resident memory (Linux `VmHWM`,
 reset through `/proc/self/clear_refs` right before the step) minus its resident memory just before, and the step's
 wall time, one torch thread. Large blocks are returned to the system on free (`mallopt`).
 """
@@ -25,6 +28,7 @@ import gc
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -39,10 +43,11 @@ def _status_kib(field):
         return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
 
 
-def build_arm(arm, vocab, positions, hidden, device="cpu", dtype=None, seed=0):
+def build_arm(arm, vocab, positions, hidden, device="cpu", dtype=None, seed=0, frozen_input_embedding=False):
     """The model and the step of `arm` (one of `ARMS`) at V = `vocab`, N = `positions` and hidden size `hidden`, on
     `device` in `dtype` (None: float32), with every parameter's gradient allocated (zeros), so that a step allocates
-    none. Returns `(model, step)`: `step()` runs the arm's forward and returns its log-probs, `[B, T, n]` or `[B, T]`;
+    none (with `frozen_input_embedding`, the input embedding has none and gets none). Returns `(model, step)`:
+    `step()` runs the arm's forward and returns its log-probs, `[B, T, n]` or `[B, T]`;
     their sum, backpropagated, is the measured step. Shared with benchmarks/gpu_check.py (part lm_head)."""
     if arm not in ARMS:
         raise ValueError(f"arm={arm!r} is not an arm of benchmarks/lm_head_memory.py; accepted: {', '.join(ARMS)}")
@@ -50,7 +55,8 @@ def build_arm(arm, vocab, positions, hidden, device="cpu", dtype=None, seed=0):
     import trl.trainer.utils  # noqa: F401  (loaded, as in a trainer, before the measured step: lm_head imports it)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trl_rpp.replay import head_logps, install_head_reader
+    from trl_rpp.records.replay import head_logps
+    from trl_rpp.records.head import install_head_reader
 
     T = positions // BATCH
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
@@ -69,8 +75,11 @@ def build_arm(arm, vocab, positions, hidden, device="cpu", dtype=None, seed=0):
     head = torch.randint(vocab, (BATCH, T, HEAD_K), generator=g)
     ids = torch.cat([input_ids[:, -T:].unsqueeze(-1), support[..., :HEAD_K].clamp(min=0) if arm == "both" else head], -1)
     input_ids, attention_mask, support, ids = (x.to(device) for x in (input_ids, attention_mask, support, ids))
+    if frozen_input_embedding:
+        model.get_input_embeddings().weight.requires_grad_(False)
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
     if arm == "fused":
         from trl.trainer.utils import add_fused_lm_head
 
@@ -89,13 +98,13 @@ def build_arm(arm, vocab, positions, hidden, device="cpu", dtype=None, seed=0):
     return model, step
 
 
-def child(arm, vocab, positions, hidden, seed=0):
+def child(arm, vocab, positions, hidden, seed=0, frozen_input_embedding=False):
     """One measured step of `arm` on CPU; returns `{"peak_mib", "seconds"}`."""
     import torch
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed blocks leave the RSS
     torch.set_num_threads(1)
-    _, step = build_arm(arm, vocab, positions, hidden, seed=seed)
+    _, step = build_arm(arm, vocab, positions, hidden, seed=seed, frozen_input_embedding=frozen_input_embedding)
     gc.collect()
     before = _status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
@@ -106,9 +115,9 @@ def child(arm, vocab, positions, hidden, seed=0):
     return {"peak_mib": (_status_kib("VmHWM") - before) / 1024, "seconds": seconds}
 
 
-def run(arm, vocab, positions, hidden):
+def run(arm, vocab, positions, hidden, frozen_input_embedding=False):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", arm, "--vocabs", str(vocab), "--positions",
-           str(positions), "--hidden", str(hidden)]
+           str(positions), "--hidden", str(hidden)] + ["--frozen-input-embedding"] * frozen_input_embedding
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -123,26 +132,35 @@ def main():
     ap.add_argument("--positions", default="2048,4096,8192,16384")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1, help="processes per arm and size; the medians are reported")
+    ap.add_argument("--frozen-input-embedding", action="store_true",
+                    help="no gradient for the input embedding in any arm: the head's own cost (see above)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     opts = ap.parse_args()
     vocabs, positions = [int(v) for v in opts.vocabs.split(",")], [int(n) for n in opts.positions.split(",")]
     if opts.child:
         warnings.filterwarnings("ignore")
-        print(json.dumps(child(opts.child, vocabs[0], positions[0], opts.hidden)))
+        print(json.dumps(child(opts.child, vocabs[0], positions[0], opts.hidden,
+                               frozen_input_embedding=opts.frozen_input_embedding)))
         return
     arms = opts.arms.split(",")
     results = {}
     print(f"hidden {opts.hidden}, {BATCH} sequences, top_k {TOP_K}, k {HEAD_K}; peak MiB above the pre-step RSS, "
-          "seconds of one forward + backward (one thread)")
+          f"seconds of one forward + backward (one thread); medians of {opts.repeats} process(es) per cell"
+          + ("; input embedding frozen" if opts.frozen_input_embedding else ""))
     print("| V | N | " + " | ".join(arms) + " |")
     print("|---|---|" + "---|" * len(arms))
-    for V in vocabs:
-        for N in positions:
-            cells = []
-            for arm in arms:
-                results[(arm, V, N)] = r = run(arm, V, N, opts.hidden)
-                cells.append(f"{r['peak_mib']:.0f} MiB, {r['seconds']:.2f} s")
+    for N in positions:  # the vocabularies side by side, alternating, so that a drift of the machine hits both alike
+        for arm in arms:
+            runs = {V: [] for V in vocabs}
+            for _ in range(opts.repeats):
+                for V in vocabs:
+                    runs[V].append(run(arm, V, N, opts.hidden, opts.frozen_input_embedding))
+            for V in vocabs:
+                results[(arm, V, N)] = {k: statistics.median(x[k] for x in runs[V]) for k in runs[V][0]}
+        for V in vocabs:
+            cells = [f"{results[(a, V, N)]['peak_mib']:.0f} MiB, {results[(a, V, N)]['seconds']:.2f} s" for a in arms]
             print(f"| {V:,} | {N:,} | " + " | ".join(cells) + " |", flush=True)
     lo, hi, n0, n1 = vocabs[0], vocabs[-1], positions[0], positions[-1]
     for N in positions:

@@ -333,10 +333,10 @@ class RPPConfig(GRPOConfig):
         _check(self, _RULES_AFTER_PARSING)
         # generation_kwargs go to vLLM's SamplingParams with use_vllm, else to transformers' GenerationConfig, and
         # override the fields of the same name.
-        from .records.settings import support_bound, truncating
+        from .records.settings import sampler_settings, support_bound, truncating
 
         given = dict(self.generation_kwargs or {})
-        sampler = {"top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p, **given}
+        sampler = sampler_settings(self)
         bound = support_bound(sampler, self.use_vllm, self.replay_sampler_support)
         if not self.replay_sampler_support and not truncating(sampler, self.use_vllm):
             raise unsupported("replay_sampler_support", False, "True (its default)", under="no truncating sampler "
