@@ -184,6 +184,19 @@ def test_lm_head_memory_build_arm_names_the_accepted_arms():
         build_arm("logits", 256, 32, 16)
 
 
+def test_lm_head_memory_frozen_input_embedding_leaves_only_the_embedding_without_gradient():
+    """`--frozen-input-embedding`: the input embedding gets no gradient; every other parameter, the head first, does."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from lm_head_memory import build_arm
+
+    model, step = build_arm("replay", 256, 32, 16, frozen_input_embedding=True)
+    step().sum().backward()
+    embedding = model.get_input_embeddings().weight
+    assert embedding.grad is None and not embedding.requires_grad
+    assert model.get_output_embeddings().weight.grad.abs().sum() > 0
+    assert all(p.grad is not None for p in model.parameters() if p is not embedding)
+
+
 @pytest.mark.slow
 def test_compare_estimators_drift_study_arms_run_and_correct_as_documented(tmp_path):
     """Study 2 at 2 steps: the run without a bias and the four mismatch arms (full fine-tuning, tiny model)."""
