@@ -409,6 +409,13 @@ def resolve_resume_checkpoint(trainer, resume_from_checkpoint):
     return resume_from_checkpoint
 
 
+def _buffer_needed_now(trainer) -> bool:
+    """`buffer_needed` at `trainer`'s current step and settings."""
+    args = trainer.args
+    return buffer_needed(trainer.state.global_step, args.gradient_accumulation_steps, args.steps_per_generation,
+                         trainer.num_iterations)
+
+
 def save_checkpoint(trainer, trial, save) -> None:
     """`RPPTrainer._save_checkpoint`: the buffered generation batch when a resume needs it (`buffer_needed`), before
     Trainer's files, so that a checkpoint with a `trainer_state.json` always has its buffer; then ``save()`` (GRPO's).
@@ -416,9 +423,7 @@ def save_checkpoint(trainer, trial, save) -> None:
     checkpoint a resume would take."""
     output_dir = trainer._get_output_dir(trial=trial)
     folder = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
-    args = trainer.args
-    needed = buffer_needed(trainer.state.global_step, args.gradient_accumulation_steps, args.steps_per_generation,
-                           trainer.num_iterations)
+    needed = _buffer_needed_now(trainer)
     try:
         if trainer._buffered_inputs is not None and needed:  # at a generation boundary a resume samples a new batch
             save_generation_buffer(folder, trainer.accelerator.process_index, trainer._step, trainer._buffered_inputs)
@@ -433,9 +438,7 @@ def restore_buffer_on_resume(trainer, checkpoint) -> None:
     resumed run trains on where GRPO would sample a new one (`trl_rpp.patches.restore_generation_buffer`)."""
     if checkpoint is None:
         return
-    args = trainer.args
-    required = buffer_needed(trainer.state.global_step, args.gradient_accumulation_steps, args.steps_per_generation,
-                             trainer.num_iterations)
-    loaded = load_generation_buffer(checkpoint, trainer.accelerator.process_index, required, trainer.accelerator.device)
+    loaded = load_generation_buffer(checkpoint, trainer.accelerator.process_index, _buffer_needed_now(trainer),
+                                    trainer.accelerator.device)
     if loaded is not None:
         restore_generation_buffer(trainer, *loaded)
