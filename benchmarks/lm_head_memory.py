@@ -3,6 +3,7 @@
     python benchmarks/lm_head_memory.py                                  # V = 49,152 and 151,936; N = 2,048 to 16,384
     python benchmarks/lm_head_memory.py --vocabs 512 --positions 64,128 --hidden 16     # smoke run
     python benchmarks/lm_head_memory.py --arms replay --frozen-input-embedding           # the head's own V-dependence
+    python benchmarks/lm_head_memory.py --arms replay --draw-ids per-vocab               # kept ids spread over each V
 
 The model is a random-init Llama with one layer of hidden size `--hidden` (128) and a head of V ids; a batch of 2
 sequences of 16 prompt and N / 2 completion tokens. The arms, each in its own process:
@@ -11,6 +12,13 @@ sequences of 16 prompt and N / 2 completion tokens. The arms, each in its own pr
 - `replay`: `log pi(y | S)` over kept sets of `top_k` = 20 ids (40 slots, as the trainer records them);
 - `score_centering`: the sampled and k = 32 head ids' log-probs under the full softmax, in tiles;
 - `both`: score centering over the kept sets (the head: the kept set's first 32 slots).
+
+The batch (prompts, completions, kept sets, head ids) is drawn uniformly over the smallest vocabulary's ids, the
+same batch at every V (`--draw-ids shared`), so that a ratio across V measures V alone. `--draw-ids per-vocab` draws
+it over each V instead: the kept sets of the larger vocabulary then touch about twice as many distinct head rows (at
+N = 8,192, some 100,000 of 151,936 against 47,000 of 49,152), rows whose gather and gradient replay pays for. That is
+a worst case: uniform draws spread over more rows than any model's kept sets (`benchmarks/kept_set_rows.py` counts a
+real model's).
 
 Each step's loss is the sum of the log-probs it returns, backpropagated to every parameter (gradients allocated
 before the step, so they are not counted). With `--frozen-input-embedding` the input embedding (untied from the head)
@@ -43,14 +51,19 @@ def _status_kib(field):
         return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
 
 
-def build_arm(arm, vocab, positions, hidden, device="cpu", dtype=None, seed=0, frozen_input_embedding=False):
+def build_arm(arm, vocab, positions, hidden, device="cpu", dtype=None, seed=0, frozen_input_embedding=False,
+              ids_range=None):
     """The model and the step of `arm` (one of `ARMS`) at V = `vocab`, N = `positions` and hidden size `hidden`, on
     `device` in `dtype` (None: float32), with every parameter's gradient allocated (zeros), so that a step allocates
-    none (with `frozen_input_embedding`, the input embedding has none and gets none). Returns `(model, step)`:
+    none (with `frozen_input_embedding`, the input embedding has none and gets none). The batch's ids are drawn
+    uniformly over `[0, ids_range)` (None: `[0, vocab)`); for one `seed` and `ids_range` it is the same at every V. Returns `(model, step)`:
     `step()` runs the arm's forward and returns its log-probs, `[B, T, n]` or `[B, T]`;
     their sum, backpropagated, is the measured step. Shared with benchmarks/gpu_check.py (part lm_head)."""
     if arm not in ARMS:
         raise ValueError(f"arm={arm!r} is not an arm of benchmarks/lm_head_memory.py; accepted: {', '.join(ARMS)}")
+    ids_range = vocab if ids_range is None else ids_range
+    if not 0 < ids_range <= vocab:
+        raise ValueError(f"ids_range={ids_range} must be in [1, vocab={vocab}]")
     import torch
     import trl.trainer.utils  # noqa: F401  (loaded, as in a trainer, before the measured step: lm_head imports it)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -66,13 +79,13 @@ def build_arm(arm, vocab, positions, hidden, device="cpu", dtype=None, seed=0, f
     with torch.device(device):  # initialized where it runs (filled on a CPU, a 151,936-row head outlasts the steps)
         model = LlamaForCausalLM(config).to(dtype or torch.float32).train()
     g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(vocab, (BATCH, PROMPT + T), generator=g)
+    input_ids = torch.randint(ids_range, (BATCH, PROMPT + T), generator=g)
     attention_mask = torch.ones_like(input_ids)
     # Kept sets of TOP_K ids in 2 * TOP_K slots, the sampled token among them.
-    support = torch.randint(vocab, (BATCH, T, 2 * TOP_K), generator=g)
+    support = torch.randint(ids_range, (BATCH, T, 2 * TOP_K), generator=g)
     support[..., TOP_K:] = -1
     support[..., 0] = input_ids[:, -T:]
-    head = torch.randint(vocab, (BATCH, T, HEAD_K), generator=g)
+    head = torch.randint(ids_range, (BATCH, T, HEAD_K), generator=g)
     ids = torch.cat([input_ids[:, -T:].unsqueeze(-1), support[..., :HEAD_K].clamp(min=0) if arm == "both" else head], -1)
     input_ids, attention_mask, support, ids = (x.to(device) for x in (input_ids, attention_mask, support, ids))
     if frozen_input_embedding:
@@ -98,13 +111,14 @@ def build_arm(arm, vocab, positions, hidden, device="cpu", dtype=None, seed=0, f
     return model, step
 
 
-def child(arm, vocab, positions, hidden, seed=0, frozen_input_embedding=False):
+def child(arm, vocab, positions, hidden, seed=0, frozen_input_embedding=False, ids_range=None):
     """One measured step of `arm` on CPU; returns `{"peak_mib", "seconds"}`."""
     import torch
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed blocks leave the RSS
     torch.set_num_threads(1)
-    _, step = build_arm(arm, vocab, positions, hidden, seed=seed, frozen_input_embedding=frozen_input_embedding)
+    _, step = build_arm(arm, vocab, positions, hidden, seed=seed, frozen_input_embedding=frozen_input_embedding,
+                        ids_range=ids_range)
     gc.collect()
     before = _status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
@@ -115,9 +129,10 @@ def child(arm, vocab, positions, hidden, seed=0, frozen_input_embedding=False):
     return {"peak_mib": (_status_kib("VmHWM") - before) / 1024, "seconds": seconds}
 
 
-def run(arm, vocab, positions, hidden, frozen_input_embedding=False):
+def run(arm, vocab, positions, hidden, frozen_input_embedding=False, ids_range=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", arm, "--vocabs", str(vocab), "--positions",
            str(positions), "--hidden", str(hidden)] + ["--frozen-input-embedding"] * frozen_input_embedding
+    cmd += [] if ids_range is None else ["--ids-range", str(ids_range)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -135,20 +150,25 @@ def main():
     ap.add_argument("--repeats", type=int, default=1, help="processes per arm and size; the medians are reported")
     ap.add_argument("--frozen-input-embedding", action="store_true",
                     help="no gradient for the input embedding in any arm: the head's own cost (see above)")
+    ap.add_argument("--draw-ids", choices=("shared", "per-vocab"), default="shared",
+                    help="shared: one batch over the smallest vocabulary's ids at every V; per-vocab: over each V")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--ids-range", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     opts = ap.parse_args()
     vocabs, positions = [int(v) for v in opts.vocabs.split(",")], [int(n) for n in opts.positions.split(",")]
     if opts.child:
         warnings.filterwarnings("ignore")
         print(json.dumps(child(opts.child, vocabs[0], positions[0], opts.hidden,
-                               frozen_input_embedding=opts.frozen_input_embedding)))
+                               frozen_input_embedding=opts.frozen_input_embedding, ids_range=opts.ids_range)))
         return
     arms = opts.arms.split(",")
+    ids_range = min(vocabs) if opts.draw_ids == "shared" else None
     results = {}
     print(f"hidden {opts.hidden}, {BATCH} sequences, top_k {TOP_K}, k {HEAD_K}; peak MiB above the pre-step RSS, "
           f"seconds of one forward + backward (one thread); medians of {opts.repeats} process(es) per cell"
-          + ("; input embedding frozen" if opts.frozen_input_embedding else ""))
+          + ("; input embedding frozen" if opts.frozen_input_embedding else "")
+          + (f"; one batch over ids < {ids_range:,} at every V" if ids_range else "; ids drawn over each V"))
     print("| V | N | " + " | ".join(arms) + " |")
     print("|---|---|" + "---|" * len(arms))
     for N in positions:  # the vocabularies side by side, alternating, so that a drift of the machine hits both alike
@@ -156,7 +176,7 @@ def main():
             runs = {V: [] for V in vocabs}
             for _ in range(opts.repeats):
                 for V in vocabs:
-                    runs[V].append(run(arm, V, N, opts.hidden, opts.frozen_input_embedding))
+                    runs[V].append(run(arm, V, N, opts.hidden, opts.frozen_input_embedding, ids_range))
             for V in vocabs:
                 results[(arm, V, N)] = {k: statistics.median(x[k] for x in runs[V]) for k in runs[V][0]}
         for V in vocabs:

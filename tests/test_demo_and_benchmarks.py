@@ -197,6 +197,35 @@ def test_lm_head_memory_frozen_input_embedding_leaves_only_the_embedding_without
     assert all(p.grad is not None for p in model.parameters() if p is not embedding)
 
 
+def test_lm_head_memory_shared_draw_is_one_batch_at_every_vocabulary():
+    """`ids_range` (`--draw-ids shared`): the same ids at V = 256 and 1,024, all under the range; without it the
+    larger vocabulary's draw reaches past it."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from lm_head_memory import build_arm
+
+    def read(vocab, ids_range):
+        model, step = build_arm("replay", vocab, 64, 16, ids_range=ids_range)
+        reads = []  # the ids the input embedding reads
+        model.get_input_embeddings().register_forward_pre_hook(lambda module, args: reads.append(args[0]))
+        step()
+        return reads[0]
+
+    small, large = read(256, 256), read(1024, 256)
+    assert small.equal(large) and int(large.max()) < 256
+    assert int(read(1024, None).max()) >= 256
+    with pytest.raises(ValueError, match=r"ids_range=2048 must be in \[1, vocab=1024\]"):
+        build_arm("replay", 1024, 64, 16, ids_range=2048)
+
+
+def test_kept_set_rows_benchmark_runs_small():
+    """The real model's kept sets at N = 64 and 128, top_k = 5: at most N * top_k distinct rows, growing with N."""
+    out = run(["benchmarks/kept_set_rows.py", "--positions", "64,128", "--top-k", "5"])
+    rows = [[int(c.replace(",", "")) for c in line.strip("|\n ").split("|")] for line in out.splitlines()
+            if line.startswith("| ") and line[2].isdigit()]
+    assert [r[:2] for r in rows] == [[64, 320], [128, 640]], out
+    assert all(0 < r[2] <= r[1] and 0 < r[3] <= r[1] for r in rows) and rows[0][2] <= rows[1][2], out
+
+
 @pytest.mark.slow
 def test_compare_estimators_drift_study_arms_run_and_correct_as_documented(tmp_path):
     """Study 2 at 2 steps: the run without a bias and the four mismatch arms (full fine-tuning, tiny model)."""
