@@ -33,12 +33,17 @@ from transformers import TrainerCallback  # noqa: E402
 from trainer_helpers import CaptureTrainer, finish_launched, length_reward, make_args  # noqa: E402
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
 
-REPLAY_TOP_K = 8  # rpp_ref's top_k; the other cases sample from the full softmax
+REPLAY_TOP_K = 8  # the top_k of rpp_ref and lora_head_replay; the other cases sample from the full softmax
+LORA_TARGETS = ["q_proj", "v_proj", "lm_head"]
+REPLAYED = ("rpp_ref", "lora_head_replay")  # the cases that replay a truncating sampler
 
 # name -> (estimator, RPPConfig overrides, uses LoRA). Together: both estimators, a frozen reference copy (k1
 # shaping; k2 loss), LoRA whose reference is the disabled adapter, score centering on and off (without truncation:
 # the full-softmax head, `lm_head.full_logps`), a replayed truncating sampler (`lm_head.kept_logps`), returns built at
 # generation (steps_per_generation=2 and 4) and deferred into the loss (steps_per_generation=1), gradient accumulation.
+# The LoRA cases put an adapter on the head too (`LORA_TARGETS`): its `lora_B`, partitioned under ZeRO-3 and a
+# DTensor under FSDP2, is read through the full-softmax head (rpp_lora_deferred) and the kept ids' rows with score
+# centering (lora_head_replay).
 CASES = {
     # Momentum gives the optimizer a state that a resume from the step-2 checkpoint must restore (and torch 2.13's
     # full-state-dict optimizer load under FSDP2 fails on a stateless one: no tensor to take the device from).
@@ -53,6 +58,12 @@ CASES = {
     "rpp_lora_deferred": (
         "reinforce_plus_plus",
         dict(kl_coef=0.05, gradient_accumulation_steps=1, steps_per_generation=1, max_steps=2),
+        True,
+    ),
+    "lora_head_replay": (
+        "reinforce_plus_plus_baseline",
+        dict(top_k=REPLAY_TOP_K, top_p=0.8, score_centering=True, score_centering_top_k=4, gradient_accumulation_steps=1,
+             steps_per_generation=1, max_steps=2),
         True,
     ),
     # Rank 0 gets the "b:" prompts, which the EOS model never ends, rank 1 the "a:" prompts, which it ends at once:
@@ -165,7 +176,7 @@ def build_case(outdir, model_path, eos_model_path, engine, name, save_steps=None
     if lora:
         from peft import LoraConfig
 
-        extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0)
     snaps = ParamSnapshots()
     trainer = CaptureTrainer(
         model=model, reward_funcs=[copy_first_char_reward, length_reward], args=args, train_dataset=dataset,

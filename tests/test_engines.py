@@ -36,8 +36,10 @@ from trl_rpp.truncation import ABSENT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(os.path.dirname(HERE), "examples", "accelerate_configs")
-CASES = ["rpp_ref", "baseline_sc", "rpp_lora_deferred", "unequal_lengths"]
-REPLAY_TOP_K = 8  # engine_script.REPLAY_TOP_K, rpp_ref's
+CASES = ["rpp_ref", "baseline_sc", "rpp_lora_deferred", "lora_head_replay", "unequal_lengths"]
+LORA_CASES = ("rpp_lora_deferred", "lora_head_replay")  # engine_script.CASES with a LoRA adapter, on the head too
+REPLAYED = ("rpp_ref", "rpp_ref_resumed", "lora_head_replay")  # engine_script.REPLAYED, and rpp_ref resumed
+REPLAY_TOP_K = 8  # engine_script.REPLAY_TOP_K
 ADV_ATOL, PARAM_ATOL, MIN_MOVE = 1e-5, 1e-6, 1e-4
 LAUNCH_TIMEOUT_S = 300  # a hung collective fails the test instead of blocking CI
 
@@ -106,7 +108,7 @@ def check_saved_models(engine, runs, model_path):
         saved = runs["outdir"] / name / "final"
         snapshots = runs[name][0]["params"]
         trained, initial = snapshots[max(snapshots)], snapshots[0]
-        lora = name == "rpp_lora_deferred"
+        lora = name in LORA_CASES
         weights = sorted(saved.glob("adapter_model.safetensors" if lora else "model*.safetensors"))
         assert weights, (engine, name, sorted(p.name for p in saved.iterdir()) if saved.is_dir() else "no directory")
         dtypes = set()
@@ -207,10 +209,17 @@ def check_equal_to_ddp(engine, runs, ddp_runs):
     # hang (the launch would time out) nor differ (compared above).
     lengths = [sum(m.sum().item() for m in runs["unequal_lengths"][r]["completion_masks"]) for r in range(2)]
     assert lengths[0] > 4 * lengths[1], lengths
+    # The head's own adapter trained in both LoRA cases (its lora_B starts at 0), equal to DDP's above.
+    for name in LORA_CASES:
+        snapshots = runs[name][0]["params"]
+        head_b = [n for n in snapshots[0] if "lm_head.lora_B" in n]
+        assert len(head_b) == 1, (engine, name, sorted(snapshots[0]))
+        moved = (snapshots[max(snapshots)][head_b[0]] - snapshots[0][head_b[0]]).abs().max().item()
+        assert moved > MIN_MOVE, (engine, name, moved)
 
 
 def check_replay(engine, runs):
-    """Replay ran in rpp_ref (top_k=REPLAY_TOP_K, top_p=0.8; engine_script.CASES) and in no other case: every loss
+    """Replay ran in the REPLAYED cases (top_k=REPLAY_TOP_K, top_p=0.8; engine_script.CASES) and in no other: every loss
     call of both ranks read its micro-batch's kept sets, `[B, T, 2 top_k]` ids holding 1 to top_k kept ids at each
     completion token, and fewer than top_k at some (top_p cut inside top_k's bound). `max_diffs` checks that they
     are DDP's sets, id for id."""
@@ -218,7 +227,7 @@ def check_replay(engine, runs):
         for rank in range(2):
             sets, masks = runs[name][rank]["support_ids"], runs[name][rank]["completion_masks"]
             assert sets and len(sets) == len(masks), (engine, name, rank, len(sets), len(masks))
-            if not name.startswith("rpp_ref"):
+            if name not in REPLAYED:
                 assert all(s is None for s in sets), (engine, name, "replayed without truncation")
                 continue
             kept = []
@@ -245,7 +254,7 @@ def assert_engine(engine, name, facts):
             assert facts["optimizer"] == "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", facts
             # Built partitioned: each rank holds half of every weight and no full copy (policy, base model under
             # LoRA, and the frozen reference model alike).
-            for part in ("base",) if name == "rpp_lora_deferred" else ("policy", "ref"):
+            for part in ("base",) if name in LORA_CASES else ("policy", "ref"):
                 p = facts[part]
                 if p is None:
                     continue
@@ -270,7 +279,7 @@ def test_deepspeed_equals_ddp_step_by_step(models, ddp_runs, engine_runs, engine
     for name in CASES:
         for rank in range(2):
             assert_engine(engine, name, runs[name][rank]["facts"])
-        assert (runs[name][0]["facts"]["ref"] is not None) == (name != "rpp_lora_deferred")
+        assert (runs[name][0]["facts"]["ref"] is not None) == (name not in LORA_CASES)
     check_equal_to_ddp(engine, runs, ddp_runs)
 
     if engine == "zero2":
@@ -292,7 +301,7 @@ def test_fsdp2_equals_ddp_step_by_step(models, ddp_runs, engine_runs):
     for name in CASES:
         for rank in range(2):
             assert_engine("fsdp2", name, runs[name][rank]["facts"])
-        assert (runs[name][0]["facts"]["ref"] is not None) == (name != "rpp_lora_deferred")
+        assert (runs[name][0]["facts"]["ref"] is not None) == (name not in LORA_CASES)
     check_equal_to_ddp("fsdp2", runs, ddp_runs)
     check_resumed("fsdp2", runs)
     check_saved_models("fsdp2", runs, models[0])
