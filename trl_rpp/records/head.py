@@ -34,32 +34,14 @@ def head_transform(config):
     return HeadTransform(scale, divisor, getattr(text, "final_logit_softcapping", None))
 
 
-def built_class(module) -> type:
-    """The class `module` was built with. FSDP2's `fully_shard` (accelerate shards the head with the final norm) swaps
-    a module's class for a subclass `FSDP<name>(FSDPModule, <class>)`; this returns `<class>`, and raises
-    `RuntimeError` naming the torch version for an `FSDPModule` of another layout."""
-    cls = type(module)
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch built without distributed support has no FSDP2
-        return cls
-    if not isinstance(module, FSDPModule) or cls is FSDPModule:
-        return cls
-    if len(cls.__bases__) != 2 or cls.__bases__[0] is not FSDPModule:
-        raise RuntimeError(f"{cls.__name__} is an FSDPModule whose bases are {cls.__bases__}, not (FSDPModule, the "
-                           f"module's class) as fully_shard makes them in the torch trl_rpp is tested with; torch "
-                           f"{torch.__version__} differs: trl_rpp.records.head.built_class needs an update")
-    return cls.__bases__[1]
-
-
 def lora_head(head) -> bool:
-    """True when `head` is PEFT's LoRA `Linear` layer (a LoRA adapter targets the head; sharded by FSDP2 or not),
-    False for any other module."""
+    """True when `head` is PEFT's LoRA `Linear` layer (a LoRA adapter targets the head), False for any other module.
+    Asked once, before training wraps the model: FSDP2's `fully_shard` later swaps the head's class for a subclass."""
     try:
         from peft.tuners.lora import Linear
     except ImportError:  # without PEFT no head carries an adapter
         return False
-    return built_class(head) is Linear
+    return type(head) is Linear
 
 
 def check_lora_head(head, kind):
@@ -78,21 +60,19 @@ def check_lora_head(head, kind):
                              f"(adapter {adapter!r}): only plain LoRA (LoraConfig without a LoRA variant or lora_bias) "
                              "can be read from the head's rows; remove the head from target_modules or that setting")
     base = head.base_layer
-    if built_class(base) is not torch.nn.Linear:
+    if type(base) is not torch.nn.Linear:
         raise ValueError(f"model type {kind!r} is not supported with a LoRA adapter on its head: the adapter wraps a "
                          f"{type(base).__name__}, not a plain linear head")
 
 
-def head_lowrank(head, hidden, kind=""):
+def head_lowrank(head, hidden, kind="", lora=None):
     """The head's `(weight [V, H], bias [V] or None, lowrank)` as PEFT's own forward of a LoRA head reads its state at
     this call: `lowrank` None when the adapters are disabled (the reference model), merged (the base weight holds
     them) or none is active; else `(u [..., r], lora_b [V, r])`, `u = scaling * lora_A(dropout(hidden))` (autograd,
     PEFT's dropout and input cast), the active adapters' terms concatenated along `r` (their sum). A plain linear head
-    (not `lora_head`) gives its weight and bias and None. `kind`: the model type, for `check_lora_head`'s error."""
-    if not lora_head(head):
-        if hasattr(head, "lora_A"):  # never read the base weight alone: the adapter would silently not train
-            raise ValueError(f"model type {kind!r}: its head is a {type(head).__name__} holding LoRA adapters, not "
-                             "PEFT's LoRA Linear layer, and cannot be read from its rows")
+    (not `lora_head`) gives its weight and bias and None. `kind`: the model type, for `check_lora_head`'s error.
+    `lora`: whether `head` is a LoRA head, as `install_head_reader` found it (None: `lora_head(head)` now)."""
+    if not (lora_head(head) if lora is None else lora):
         return head.weight, head.bias, None
     base = head.base_layer
     if head.disable_adapters:
@@ -128,7 +108,8 @@ def install_head_reader(model):
 
     base = model.get_base_model() if is_peft_model(model) else model
     head, kind = base.get_output_embeddings(), base.config.get_text_config().model_type
-    if lora_head(head):
+    lora = lora_head(head)  # decided here, once: FSDP2 swaps the head's class when training starts
+    if lora:
         check_lora_head(head, kind)
         head = head.base_layer
     why = None
@@ -141,7 +122,8 @@ def install_head_reader(model):
     if why:
         raise ValueError(f"model type {kind!r} is not supported with a replayed truncating sampler or score centering: "
                          f"{why}, so its log-probs cannot be read from the final hidden states and the head's rows")
-    head_reader_forward(base, lambda lm_head, hidden: head_lowrank(lm_head, hidden, kind), head_transform(base.config))
+    head_reader_forward(base, lambda lm_head, hidden: head_lowrank(lm_head, hidden, kind, lora),
+                        head_transform(base.config))
 
 
 def _tied_head(model) -> bool:
