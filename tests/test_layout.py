@@ -3,13 +3,14 @@ old module paths still import (with a `DeprecationWarning`) for one release, and
 
 import ast
 import importlib
+import re
 import warnings
 from pathlib import Path
 
 import pytest
 
 import trl_rpp
-from trl_rpp._moved import MOVED
+from trl_rpp._moved import MOVED, REMOVED
 
 PACKAGE = Path(trl_rpp.__file__).parent
 ROOT = PACKAGE.parent
@@ -104,6 +105,14 @@ def test_an_old_path_still_imports_its_name_with_a_deprecation_warning(old, name
     with pytest.warns(DeprecationWarning, match=f"{old}.{name} moved to {new_module}.{new_name}"):
         value = getattr(importlib.import_module(old), name)
     assert value is getattr(importlib.import_module(new_module), new_name)
+
+
+@pytest.mark.parametrize("old,name", [(old, name) for old, names in REMOVED.items() for name in names])
+def test_a_removed_old_name_raises_naming_its_replacement(old, name):
+    """A name whose parameters changed meaning, or that dissolved, is not forwarded: the import fails, naming what
+    replaced it."""
+    with pytest.raises(AttributeError, match=f"^{old}.{name} was removed .*; use {re.escape(REMOVED[old][name])}$"):
+        getattr(importlib.import_module(old), name)
 
 
 @pytest.mark.parametrize("old", [old for old, names in MOVED.items() if "*" in names])

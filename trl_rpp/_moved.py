@@ -44,10 +44,9 @@ MOVED: dict[str, dict[str, str | tuple[str, str]]] = {
     "trl_rpp.preemption": {"*": "trl_rpp.faults.preemption"},
     "trl_rpp.grad_guard": {"*": "trl_rpp.faults.gradients"},
     "trl_rpp.engine_faults": {"*": "trl_rpp.faults.engine"},
-    "trl_rpp.vllm_engine": {"vllm_engine_args": "trl_rpp.patches",
-                            **dict.fromkeys(("engine_on_cpu", "use_cpu_weight_sync", "use_weight_sync"),
-                                            "trl_rpp.engines.vllm_colocate")},
-    "trl_rpp.server_sync": {"without_nccl_group": "trl_rpp.patches", "*": "trl_rpp.engines.vllm_server"},
+    "trl_rpp.vllm_engine": dict.fromkeys(("engine_on_cpu", "use_cpu_weight_sync", "use_weight_sync"),
+                                         "trl_rpp.engines.vllm_colocate"),
+    "trl_rpp.server_sync": {"*": "trl_rpp.engines.vllm_server"},
     "trl_rpp.trainer_utils": {
         **dict.fromkeys(("FORWARD_KEYS", "token_mask", "PolicyForward"), "trl_rpp.batch"),
         **dict.fromkeys(("borrowed_beta", "vllm_generate"), "trl_rpp.patches"),
@@ -59,9 +58,24 @@ MOVED: dict[str, dict[str, str | tuple[str, str]]] = {
 }
 
 
+# Old names that are not forwarded, each with what replaced it: dissolved into other helpers, or whose parameters
+# changed meaning (a forwarded `without_nccl_group("nccl")` would switch the patch on). Importing one raises.
+REMOVED: dict[str, dict[str, str]] = {
+    "trl_rpp.server_sync": {"without_nccl_group": "trl_rpp.patches.without_nccl_group(active: bool)"},
+    "trl_rpp.vllm_engine": {"vllm_engine_args": "trl_rpp.patches.vllm_engine_args(max_logprobs, dtype), with "
+                                                "trl_rpp.patches.without_nccl_group for the server",
+                            "sync_weights_by_reload": "trl_rpp.patches.reload_weight_sync"},
+    "trl_rpp.rollouts": {"checked_rollout_func": "trl_rpp.records.multi_turn.install_rollout_checks"},
+    "trl_rpp.trainer_utils": {"as_list": "`x if isinstance(x, list) else [x]` in your own code"},
+}
+
+
 def moved_name(module: str, name: str):
     """`name` of the old `module` from its new place, with a `DeprecationWarning`; `AttributeError` if it never
-    moved from there."""
+    moved from there, or was removed (`REMOVED`, naming what replaced it)."""
+    if name in REMOVED.get(module, {}):
+        raise AttributeError(f"{module}.{name} was removed when the package took its layered layout; use "
+                             f"{REMOVED[module][name]}")
     table = MOVED.get(module, {})
     target = table.get(name, table.get("*") if not name.startswith("__") else None)
     if target is None:
