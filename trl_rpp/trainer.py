@@ -154,11 +154,10 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         kwargs.update(train_dataset=train_dataset, eval_dataset=eval_dataset)
         self._rpp_needs_ref = args.kl_coef != 0.0 or args.use_kl_loss
         bound, width = sampler_record(args)  # the kept sets' bound (replay) and the ids recorded per position
-        vllm_logprobs = width + 1 if args.use_vllm else 0
         # Before any model is loaded, on every process: a server or directory that cannot work raises everywhere.
         disk_sync = check_at_construction(args)  # vllm_server_weight_sync="disk" (trl_rpp.engines.vllm_server)
         colocated = args.use_vllm and args.vllm_mode == "colocate"
-        engine = vllm_engine_args(vllm_logprobs if colocated else 0, args.vllm_dtype if colocated else "auto")
+        engine = vllm_engine_args(width + 1 if colocated else 0, args.vllm_dtype if colocated else "auto")
         lora_allowed = lora_head_allowed(model, args, kwargs.get("peft_config"))
         with borrowed_beta(args, self._rpp_needs_ref, reset=(self,)), engine, lora_allowed, \
                 without_nccl_group(args.use_vllm and args.vllm_server_weight_sync == "disk"):

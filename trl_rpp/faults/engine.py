@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 
+from ..engines.vllm_server import server_url
 from ..patches import guard_server_client as patch_client
 from ..patches import vllm_generate
 
@@ -37,9 +38,7 @@ class GenerationEngineError(RuntimeError):
 
 def engine_name(trainer) -> str:
     if trainer.vllm_generation.mode == "server":  # the URL TRL's client is built with (only process 0 has one)
-        args = trainer.args
-        url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        return f"the vLLM server at {url}"
+        return f"the vLLM server at {server_url(trainer.args)}"
     return "the colocated vLLM engine"
 
 
