@@ -24,7 +24,8 @@ WINDOW = 1024
 
 def corpus():
     """The repository's own text: README, docs, Python sources, in that order."""
-    files = ["README.md"] + sorted(glob.glob("docs/*.md")) + sorted(glob.glob("trl_rpp/**/*.py", recursive=True))
+    files = ["README.md"] + sorted(glob.glob("docs/*.md", root_dir=ROOT)) + sorted(
+        glob.glob("trl_rpp/**/*.py", root_dir=ROOT, recursive=True))
     parts = []
     for name in files:
         with open(os.path.join(ROOT, name), encoding="utf-8") as f:

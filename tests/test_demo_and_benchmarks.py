@@ -218,7 +218,8 @@ def test_lm_head_memory_shared_draw_is_one_batch_at_every_vocabulary():
 
 
 def test_kept_set_rows_benchmark_runs_small():
-    """The real model's kept sets at N = 64 and 128, top_k = 5: at most N * top_k distinct rows, growing with N."""
+    """The real model's kept sets at N = 64 and 128, top_k = 5: one row per N, each count of distinct rows in
+    1..N * top_k."""
     out = run(["benchmarks/kept_set_rows.py", "--positions", "64,128", "--top-k", "5"])
     rows = [[int(c.replace(",", "")) for c in line.strip("|\n ").split("|")] for line in out.splitlines()
             if line.startswith("| ") and line[2].isdigit()]
