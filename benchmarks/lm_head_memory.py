@@ -56,7 +56,8 @@ def build_arm(arm, vocab, positions, hidden, device="cpu", dtype=None, seed=0, f
     """The model and the step of `arm` (one of `ARMS`) at V = `vocab`, N = `positions` and hidden size `hidden`, on
     `device` in `dtype` (None: float32), with every parameter's gradient allocated (zeros), so that a step allocates
     none (with `frozen_input_embedding`, the input embedding has none and gets none). The batch's ids are drawn
-    uniformly over `[0, ids_range)` (None: `[0, vocab)`); for one `seed` and `ids_range` it is the same at every V. Returns `(model, step)`:
+    uniformly over `[0, ids_range)` (None: `[0, vocab)`); for one `seed` and `ids_range` it is the same at every V.
+    Returns `(model, step)`:
     `step()` runs the arm's forward and returns its log-probs, `[B, T, n]` or `[B, T]`;
     their sum, backpropagated, is the measured step. Shared with benchmarks/gpu_check.py (part lm_head)."""
     if arm not in ARMS:
@@ -111,14 +112,13 @@ def build_arm(arm, vocab, positions, hidden, device="cpu", dtype=None, seed=0, f
     return model, step
 
 
-def child(arm, vocab, positions, hidden, seed=0, frozen_input_embedding=False, ids_range=None):
-    """One measured step of `arm` on CPU; returns `{"peak_mib", "seconds"}`."""
+def child(**arm):
+    """One measured step of the arm `build_arm(**arm)` builds, on CPU; returns `{"peak_mib", "seconds"}`."""
     import torch
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed blocks leave the RSS
     torch.set_num_threads(1)
-    _, step = build_arm(arm, vocab, positions, hidden, seed=seed, frozen_input_embedding=frozen_input_embedding,
-                        ids_range=ids_range)
+    _, step = build_arm(**arm)
     gc.collect()
     before = _status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
@@ -129,10 +129,9 @@ def child(arm, vocab, positions, hidden, seed=0, frozen_input_embedding=False, i
     return {"peak_mib": (_status_kib("VmHWM") - before) / 1024, "seconds": seconds}
 
 
-def run(arm, vocab, positions, hidden, frozen_input_embedding=False, ids_range=None):
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", arm, "--vocabs", str(vocab), "--positions",
-           str(positions), "--hidden", str(hidden)] + ["--frozen-input-embedding"] * frozen_input_embedding
-    cmd += [] if ids_range is None else ["--ids-range", str(ids_range)]
+def run(**arm):
+    """`child(**arm)` in a process of its own."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(arm)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -153,14 +152,12 @@ def main():
     ap.add_argument("--draw-ids", choices=("shared", "per-vocab"), default="shared",
                     help="shared: one batch over the smallest vocabulary's ids at every V; per-vocab: over each V")
     ap.add_argument("--json", help="also write the results here")
-    ap.add_argument("--ids-range", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # build_arm's arguments, as JSON
     opts = ap.parse_args()
     vocabs, positions = [int(v) for v in opts.vocabs.split(",")], [int(n) for n in opts.positions.split(",")]
     if opts.child:
         warnings.filterwarnings("ignore")
-        print(json.dumps(child(opts.child, vocabs[0], positions[0], opts.hidden,
-                               frozen_input_embedding=opts.frozen_input_embedding, ids_range=opts.ids_range)))
+        print(json.dumps(child(**json.loads(opts.child))))
         return
     arms = opts.arms.split(",")
     ids_range = min(vocabs) if opts.draw_ids == "shared" else None
@@ -176,7 +173,8 @@ def main():
             runs = {V: [] for V in vocabs}
             for _ in range(opts.repeats):
                 for V in vocabs:
-                    runs[V].append(run(arm, V, N, opts.hidden, opts.frozen_input_embedding, ids_range))
+                    runs[V].append(run(arm=arm, vocab=V, positions=N, hidden=opts.hidden, ids_range=ids_range,
+                                       frozen_input_embedding=opts.frozen_input_embedding))
             for V in vocabs:
                 results[(arm, V, N)] = {k: statistics.median(x[k] for x in runs[V]) for k in runs[V][0]}
         for V in vocabs:
