@@ -17,7 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from trainer_helpers import CaptureTrainer, length_reward, make_args, returns_at_generation  # noqa: E402
+from trainer_helpers import LORA_HEAD, CaptureTrainer, length_reward, make_args  # noqa: E402
+from trainer_helpers import returns_at_generation  # noqa: E402
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
 
 
@@ -27,8 +28,8 @@ CASES = ["reinforce_plus_plus:deferred", *(f"{e}:{mode}" for mode in ("groups", 
 # A truncating sampler replayed, with score centering and the k2 loss (tests/test_replay.py's single-process case).
 REPLAY = dict(top_k=6, top_p=0.9, temperature=0.8, score_centering=True, score_centering_top_k=6, max_grad_norm=0.0,
               num_iterations=2, kl_loss_coef=0.1)
-# The replay case with a LoRA adapter on the head (and attention): DDP reduces the adapter's gradient read in tiles.
-LORA_HEAD = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], lora_dropout=0.0)
+# The replay case with a LoRA adapter on the head (and attention, `LORA_HEAD`): DDP reduces the adapter's gradient
+# read in tiles.
 
 
 def run_case(outdir, model_path, estimator, mode):

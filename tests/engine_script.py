@@ -30,20 +30,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from trainer_helpers import CaptureTrainer, finish_launched, length_reward, make_args  # noqa: E402
+from trainer_helpers import LORA_HEAD, CaptureTrainer, finish_launched, length_reward, make_args  # noqa: E402
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
 
 REPLAY_TOP_K = 8  # the top_k of rpp_ref and lora_head_replay; the other cases sample from the full softmax
-LORA_TARGETS = ["q_proj", "v_proj", "lm_head"]
-REPLAYED = ("rpp_ref", "lora_head_replay")  # the cases that replay a truncating sampler
 
 # name -> (estimator, RPPConfig overrides, uses LoRA). Together: both estimators, a frozen reference copy (k1
 # shaping; k2 loss), LoRA whose reference is the disabled adapter, score centering on and off (without truncation:
 # the full-softmax head, `lm_head.full_logps`), a replayed truncating sampler (`lm_head.kept_logps`), returns built at
 # generation (steps_per_generation=2 and 4) and deferred into the loss (steps_per_generation=1), gradient accumulation.
-# The LoRA cases put an adapter on the head too (`LORA_TARGETS`): its `lora_B`, partitioned under ZeRO-3 and a
-# DTensor under FSDP2, is read through the full-softmax head (rpp_lora_deferred) and the kept ids' rows with score
-# centering (lora_head_replay).
+# The LoRA cases put an adapter on the head too (`trainer_helpers.LORA_HEAD`): its `lora_B`, partitioned under
+# ZeRO-3 and a DTensor under FSDP2, is read through the full-softmax head (rpp_lora_deferred) and the kept ids' rows
+# with score centering (lora_head_replay).
 CASES = {
     # Momentum gives the optimizer a state that a resume from the step-2 checkpoint must restore (and torch 2.13's
     # full-state-dict optimizer load under FSDP2 fails on a stateless one: no tensor to take the device from).
@@ -176,7 +174,7 @@ def build_case(outdir, model_path, eos_model_path, engine, name, save_steps=None
     if lora:
         from peft import LoraConfig
 
-        extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0)
+        extra["peft_config"] = LoraConfig(**LORA_HEAD)
     snaps = ParamSnapshots()
     trainer = CaptureTrainer(
         model=model, reward_funcs=[copy_first_char_reward, length_reward], args=args, train_dataset=dataset,

@@ -18,6 +18,8 @@ from trl_rpp import RPPConfig, RPPTrainer
 # has moved; the test asks each mode to act on some weights, not all.
 IS_MODES = ["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"]
 IS_STEPS_PER_MODE = 2
+# A LoRA adapter on the head and attention, as the multi-process tests train it (`LoraConfig(**LORA_HEAD)`).
+LORA_HEAD = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], lora_dropout=0.0)
 
 
 def length_reward(completions, **kwargs):
