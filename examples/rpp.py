@@ -6,7 +6,9 @@
 Same flags and behaviour as the installed `trl-rpp` command; see `trl_rpp/cli.py` or `python examples/rpp.py --help`.
 """
 
+import sys
+
 from trl_rpp.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

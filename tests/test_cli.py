@@ -1,8 +1,7 @@
 """The `trl-rpp` CLI (`trl_rpp/cli.py`): flags, datasets and splits, rewards, dry run, and the console script.
 
-The slow test runs `python -m trl_rpp.cli` end to end on a tiny local model (the shared venv's `trl-rpp` script
-points at another checkout, so the module is what the tests launch; `test_console_script_*` checks the entry point
-that `pip install` turns into the `trl-rpp` command).
+The slow tests run the installed `trl-rpp` command end to end on a tiny local model, with this checkout first on
+`PYTHONPATH`, and check its exit status: 0 after a finished run, 75 after a preemption, non-zero on an error.
 """
 
 import json
@@ -59,40 +58,23 @@ def test_no_offered_negation_always_fails():
         _args("--no_normalize_advantages")
 
 
-@pytest.mark.parametrize("columns", ["60", "100", "400"])
-def test_help_rebuilt_from_its_capture_prints_the_live_help(monkeypatch, columns):
-    """`cli_help.rebuild(cli_help.capture(parser))` formats the same text as the parser itself, at any terminal
-    width (argparse wraps to $COLUMNS), usage line included."""
-    from trl_rpp import cli_help
+def test_help_opens_with_a_description_and_two_examples_that_run(capsys):
+    """`trl-rpp --help` starts with a one-line usage, what the command does and two examples, before the flags; each
+    example builds its configuration as written (a dry run: the GPU one says it needs `--bf16 false` here)."""
+    import shlex
 
-    monkeypatch.setenv("COLUMNS", columns)
-    live = cli.make_parser()
-    spec = json.loads(json.dumps(cli_help.capture(live)))  # through JSON, as the file stores it
-    assert cli_help.rebuild(spec, prog=live.prog).format_help() == live.format_help()
-
-
-def test_shipped_help_is_the_live_help_of_the_installed_versions(monkeypatch, capsys):
-    """The help `trl-rpp --help` prints from `cli_help.json` is the live parser's, for the versions installed here
-    (`make install`'s): a changed flag or help text without `make cli-help` fails here. With
-    versions it was not written for, `--help` builds the live parser instead."""
-    from trl_rpp import cli_help
-
-    monkeypatch.setenv("COLUMNS", "120")
-    monkeypatch.setattr(sys, "argv", ["trl-rpp"])
-    shipped = cli_help.cached_parser()
-    assert shipped is not None, (f"cli_help.json has no help for {cli_help.installed_versions()}: run "
-                                 "`make cli-help`")
-    live = cli.make_parser().format_help()
-    assert shipped.format_help() == live
-    with pytest.raises(SystemExit) as stop:
-        cli.main(["--help"])
-    assert stop.value.code == 0 and capsys.readouterr().out == live
-    other = dict(cli_help.installed_versions(), transformers="0.0")
-    monkeypatch.setattr(cli_help, "installed_versions", lambda: other)
-    assert cli_help.cached_parser() is None
-    with pytest.raises(SystemExit) as stop:
-        cli.main(["-h"])  # the live parser
-    assert stop.value.code == 0 and capsys.readouterr().out == live
+    text = cli.make_parser().format_help()
+    head = text[: text.index("\noptions:")]
+    assert head.startswith("usage: trl-rpp --model_name_or_path MODEL") and len(head.splitlines()) < 25
+    assert "REINFORCE++" in head and "examples:" in head
+    examples = [shlex.split(line.strip()) for line in head.replace("\\\n", " ").splitlines()
+                if line.strip().startswith("trl-rpp --")]
+    assert len(examples) == 2 and ["--bf16", "false"] == examples[1][examples[1].index("--bf16"):][:2]
+    for argv in examples:
+        assert cli.main([*argv[1:], "--report_to", "none", "--dry_run"]) == 0
+        out = capsys.readouterr().out
+        config = json.loads(out[out.index("{"):])  # after any line a library prints at import
+        assert config["reward_funcs"] == ["final_answer"] and config["dataset_name"] == "data/gsm8k"
 
 
 def test_help_lists_the_rpp_fields_and_the_script_arguments():
@@ -330,23 +312,33 @@ def copies(prompts, completions, **kwargs):
 
 
 @pytest.mark.slow
-def test_preempted_cli_exits_with_status_75_after_saving(tmp_path, monkeypatch, tiny_model):
-    """`train()` raises `TrainingPreempted`, an ordinary exception; the command turns it into exit status 75."""
+def test_console_script_exits_75_when_preempted_after_saving(tmp_path, tiny_model):
+    """`train()` raises `TrainingPreempted`, an ordinary exception; the installed command turns it into exit status 75,
+    with the checkpoint saved and no final model."""
     from trl_rpp.testing.tiny import copy_task_dataset
 
     (tmp_path / "preempting_reward.py").write_text(PREEMPTING_REWARD)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(sys.modules, "preempting_reward", raising=False)
     data = _write(tmp_path / "train.jsonl", copy_task_dataset(16, seed=1))
     out = tmp_path / "out"
-    with pytest.raises(SystemExit) as exit_:
-        cli.main(["--model_name_or_path", tiny_model, "--dataset_name", str(data), "--reward_funcs",
-                  "preempting_reward.copies", "--max_steps", "3", "--per_device_train_batch_size", "4",
-                  "--num_generations", "4", "--max_completion_length", "2", "--save_strategy", "no", "--use_cpu",
-                  "--bf16", "false", "--report_to", "none", "--output_dir", str(out)])  # fmt: skip
-    assert exit_.value.code == 75
-    assert type(exit_.value.__cause__).__name__ == "TrainingPreempted"
+    proc = subprocess.run([console_script(), "--model_name_or_path", tiny_model, "--dataset_name", str(data),
+                           "--reward_funcs", "preempting_reward.copies", "--max_steps", "3",
+                           "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length",
+                           "2", "--save_strategy", "no", "--use_cpu", "--bf16", "false", "--report_to", "none",
+                           "--output_dir", str(out)], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 75, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "TrainingPreempted" in proc.stderr  # the reason is printed, not only the status
     assert os.path.isdir(out / "checkpoint-1") and not (out / "model.safetensors").exists()  # no final save
+
+
+def test_console_script_exits_non_zero_on_an_error(tmp_path):
+    """An error ends the installed command with a non-zero status and its message, before anything loads."""
+    proc = subprocess.run([console_script(), "--model_name_or_path", "m", "--dataset_name", "d", "--reward_funcs",
+                           "no_such_module.reward", "--use_cpu", "--bf16", "false", "--report_to", "none",
+                           "--output_dir", str(tmp_path / "o")], cwd=tmp_path, env=_env(), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "Could not load reward function 'no_such_module.reward' given to --reward_funcs" in proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -413,6 +405,15 @@ def test_dry_run_prints_the_resolved_configuration(capsys):
 # -- console script ------------------------------------------------------------------------------------------------
 
 
+def console_script() -> str:
+    """The `trl-rpp` command that `pip install -e .` (`make install`) wrote next to this Python. The tests run it with
+    this checkout first on `PYTHONPATH` (`_env`), so it runs the code under test whichever checkout installed it."""
+    path = Path(sys.executable).parent / "trl-rpp"
+    assert path.is_file(), f"no installed trl-rpp command next to {sys.executable}: run `make install`"
+    return str(path)
+
+
+
 def test_console_script_is_declared_and_resolves_to_the_cli(tmp_path):
     """setup.py's metadata (as `pip install` would write it) declares `trl-rpp`, and it loads `trl_rpp.cli.main`."""
     proc = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)], cwd=REPO,
@@ -440,7 +441,7 @@ def test_cli_trains_with_train_and_test_splits_and_writes_the_card(tmp_path):
         "def copies(prompts, completions, **kwargs):\n    return copy_first_char_reward(prompts, completions)\n"
     )
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "trl_rpp.cli", "--model_name_or_path", model, "--dataset_name", str(data),
+    cmd = [console_script(), "--model_name_or_path", model, "--dataset_name", str(data),
            "--reward_model_name_or_path", model, "--reward_funcs", "my_rewards.copies",
            "--max_steps", "2", "--per_device_train_batch_size", "8",
            "--per_device_eval_batch_size", "8", "--num_generations", "4", "--max_completion_length", "2",
@@ -448,7 +449,8 @@ def test_cli_trains_with_train_and_test_splits_and_writes_the_card(tmp_path):
            "--report_to", "none",
            "--output_dir", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]  # the installed command's status
+    assert "RPPTrainer object" not in proc.stdout + proc.stderr  # nothing but a status reaches sys.exit
     assert (out / "model.safetensors").is_file()
     assert f"Model and model card saved to {out} (model.safetensors)." in proc.stdout
     log = proc.stdout + proc.stderr
@@ -456,19 +458,3 @@ def test_cli_trains_with_train_and_test_splits_and_writes_the_card(tmp_path):
     assert "'rewards/copies/mean'" in log and "'rewards/m/mean'" in log  # the function and the reward model
     card = (out / "README.md").read_text()
     assert "REINFORCE++" in card and "None" not in card
-
-
-def test_the_help_snapshot_never_imports_the_cli():
-    """`trl_rpp.cli` reads `cli_help` for a bare `--help`; `cli_help` takes the live parser as an argument (`write`),
-    so the two modules never import each other."""
-    import ast
-    from pathlib import Path
-
-    from trl_rpp import cli_help
-
-    tree = ast.parse(Path(cli_help.__file__).read_text())
-    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    for n in ast.walk(tree):
-        if isinstance(n, ast.ImportFrom):
-            imported |= {n.module or ""} | {f"{n.module or ''}.{a.name}" for a in n.names}
-    assert not {m for m in imported if m.split(".")[-1] == "cli" or m.startswith("trl_rpp")}, imported

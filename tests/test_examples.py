@@ -87,11 +87,11 @@ def test_dataset_without_prompt_column_fails_in_subprocess(tmp_path):
 HEAVY_MODULES = {"torch", "transformers", "trl", "wandb"}
 
 
-@pytest.mark.parametrize("script", ["demo.py", "multi_turn.py", "rpp.py"])
+@pytest.mark.parametrize("script", ["demo.py", "multi_turn.py"])
 def test_example_help_imports_no_heavy_library(script):
     """`--help` parses the arguments before anything heavy is imported (`python -X importtime` lists every module
-    the process imported; a timing assert would be flaky on a loaded CI machine). `rpp.py` prints the help kept in
-    `trl_rpp/cli_help.json` for the installed versions (tests/test_cli.py checks it is the live parser's)."""
+    the process imported; a timing assert would be flaky on a loaded CI machine). `rpp.py --help` lists every
+    `RPPConfig` field, so it builds TRL's parser (`test_rpp_example_help_shows_the_cli_flags`)."""
     proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "examples" / script), "--help"], cwd=REPO,
                           env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr[-3000:]

@@ -7,7 +7,7 @@ The layout, by layer; a module imports only its own layer and those under it (te
 3. `records`: the sampler's records (the capture inside `generate`, vLLM's log-probs, multi-turn alignment, the
    replay and the head reader);
 4. `faults` (rewards, checkpoints, preemption, gradients, the engine, inputs) and `engines` (vLLM weight sync);
-5. on top: `config`, `trainer` (the hook map), `batch`, `metrics`, `distributed`, `cli`, `cli_help`, `model_card`.
+5. on top: `config`, `trainer` (the hook map), `batch`, `metrics`, `distributed`, `cli`, `model_card`.
 
 The math needs torch only; `RPPConfig` and `RPPTrainer` import TRL and transformers. Each name is loaded on first
 access, so `import trl_rpp` imports none of them (`trl-rpp --help` does not wait for torch) and `import trl_rpp.core`

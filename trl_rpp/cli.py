@@ -19,13 +19,14 @@ Rewards (`--reward_funcs`, `--reward_model_name_or_path`) are resolved as `trl g
 name, or a dotted import path `my_lib.rewards.custom_reward` importable from the current directory or PYTHONPATH;
 the reward model comes first, then the functions in their order (the order of `--reward_weights`).
 
-On CPU add `--use_cpu --bf16 false`. Every `RPPConfig`/`GRPOConfig` field is a flag, and so is every TRL
+On a machine without a GPU add `--bf16 false` (GRPOConfig's bf16 defaults to True). Every `RPPConfig`/`GRPOConfig` field is a flag, and so is every TRL
 `ModelConfig` field (`--use_peft --lora_r 16 ...`); `--config recipe.yaml` works as in TRL. `examples/rpp.py` is
 this same program.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import importlib
@@ -44,7 +45,7 @@ _REJECTED_NEGATIONS = ("--no_normalize_advantages", "--no_use_bias_correction_kl
 @functools.cache
 def script_arguments_class():
     """`RPPScriptArguments`: TRL's `ScriptArguments` plus this command's own flags. Defined on first use, so
-    that importing this module (and `--help`, see `trl_rpp.cli_help`) does not import TRL."""
+    that importing this module does not import TRL."""
     from trl import ScriptArguments
 
     @dataclass
@@ -106,14 +107,39 @@ def rejected_flag_help(own_fields) -> tuple[dict[str, str], dict[str, str]]:
     return helps, {name: values or "None" for name, values in accepted.items()}
 
 
+USAGE = "trl-rpp --model_name_or_path MODEL --dataset_name DATA --reward_funcs REWARD [--FIELD VALUE ...]"
+DESCRIPTION = """\
+Train a causal language model with REINFORCE++ or REINFORCE++-baseline: TRL's GRPOTrainer with the REINFORCE++
+advantage and loss. Every RPPConfig, GRPOConfig and TRL ModelConfig field is a flag, listed below; `--config
+recipe.yaml` reads them from a file, and `--dry_run` prints the resolved configuration without loading anything.
+
+examples:
+  # Qwen3-0.6B on GSM8K, on a GPU (data from `python -m trl_rpp.recipes.gsm8k --output_dir data/gsm8k`)
+  trl-rpp --model_name_or_path Qwen/Qwen3-0.6B --dataset_name data/gsm8k --reward_funcs final_answer \\
+      --advantage_estimator reinforce_plus_plus_baseline --output_dir outputs/qwen3-rpp
+
+  # the same on a machine without a GPU: float32 (bf16 needs a GPU), a small model, a few steps
+  trl-rpp --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct --dataset_name data/gsm8k \\
+      --reward_funcs final_answer --bf16 false --max_steps 8 --output_dir outputs/smollm2-rpp
+
+A vLLM server for --use_vllm true --vllm_mode server: `trl-rpp vllm-serve --help`. Exit status: 0 after a finished
+run, 75 when preempted (checkpoint saved: run the command again to resume), another non-zero status on an error.
+"""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description and examples as written; each flag's default after its help, as TRL's parser shows it."""
+
+
 def make_parser():
     """TRL's parser over (script arguments, `RPPConfig`, `ModelConfig`), without flags that always fail, and with
-    the help of rejected GRPO flags saying what is accepted."""
+    the help of rejected GRPO flags saying what is accepted. Its help opens with a description and two examples."""
     from trl import ModelConfig, TrlParser
 
     from trl_rpp import RPPConfig
 
-    parser = TrlParser((script_arguments_class(), RPPConfig, ModelConfig))
+    parser = TrlParser((script_arguments_class(), RPPConfig, ModelConfig), prog="trl-rpp", usage=USAGE,
+                       description=DESCRIPTION, formatter_class=_HelpFormatter)
     replaced, score_centering_only = rejected_flag_help(set(RPPConfig.__annotations__))
     for action in parser._actions:
         if action.dest in replaced:
@@ -416,15 +442,15 @@ def train(script_args, training_args, model_args):
     return trainer
 
 
-def main(argv=None):
+def main(argv=None) -> int:
+    """Run the `trl-rpp` command on `argv` (default: the command line) and return its exit status: 0 after a finished
+    run or a dry run. A preempted run raises `SystemExit(75)` once its checkpoint is saved, and any error propagates
+    as an exception, so that the console script (`sys.exit(main())`) exits non-zero with the traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv in (["--help"], ["-h"]):
-        from trl_rpp.cli_help import cached_parser
+    if argv[:1] == ["vllm-serve"]:  # `trl-rpp vllm-serve ...`: start a vLLM server for server mode (trl_rpp.serve)
+        from trl_rpp.serve import main as serve
 
-        fast = cached_parser()  # the same text, without importing TRL (None for versions it was not written for)
-        if fast is not None:
-            fast.print_help()
-            fast.exit()
+        return serve(argv[1:])
     parser = make_parser()
     without_gpu = False
     try:
@@ -450,17 +476,19 @@ def main(argv=None):
         if without_gpu:
             config["use_cpu"] = False
             config["note"] = ("resolved on a machine without a GPU: use_cpu=True was added only to build this "
-                              "configuration (bf16 needs a GPU); to run here, add --use_cpu --bf16 false")
+                              "configuration (bf16 needs a GPU); to run here, add --bf16 false")
+            print(f"Note: {config['note']}.", file=sys.stderr, flush=True)  # first, not only as the JSON's last key
         json.dump(config, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
-        return None
+        return 0
     from trl_rpp.faults.preemption import TrainingPreempted
 
     try:
-        return train(script_args, training_args, model_args)
+        train(script_args, training_args, model_args)
     except TrainingPreempted as stop:  # checkpoint saved: status 75 tells a scheduler to run the command again
         raise SystemExit(stop.exit_code) from stop
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
