@@ -17,6 +17,22 @@ def make(**kw):
     return RPPConfig(**CPU, **kw)
 
 
+@pytest.mark.parametrize("given", [{}, {"bf16": True}])
+def test_bf16_without_a_bf16_gpu_names_the_fix(monkeypatch, given):
+    """GRPOConfig's bf16 default (True) on a machine without a bf16 GPU: the error names bf16=False and its flag, not
+    transformers' `use_cpu` (the bf16 GPU check is made to answer no, as on a CPU machine)."""
+    from transformers.utils import import_utils
+
+    monkeypatch.setattr(import_utils, "is_torch_bf16_gpu_available", lambda: False)
+    monkeypatch.setattr(import_utils, "is_torch_xla_available", lambda *a, **k: False)
+    with pytest.raises(ValueError, match=r"bf16=True.* needs a GPU with bfloat16 support.*set bf16=False \(on the "
+                                         r"command line: --bf16 false\)"):
+        RPPConfig(output_dir="/tmp/trl_rpp_cfg", report_to="none", **given)
+    assert RPPConfig(output_dir="/tmp/trl_rpp_cfg", report_to="none", bf16=False).bf16 is False
+    # use_cpu=True with bf16 is transformers' CPU autocast, an explicit choice it accepts: left alone.
+    assert RPPConfig(output_dir="/tmp/trl_rpp_cfg", report_to="none", use_cpu=True).bf16 is True
+
+
 def test_reinforce_pp_recipe_defaults():
     c = make()
     assert c.advantage_estimator == "reinforce_plus_plus"

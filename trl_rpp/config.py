@@ -328,6 +328,7 @@ class RPPConfig(GRPOConfig):
         renamed = getattr(self, "activation_checkpointing", _ABSENT)
         if renamed is None and self.gradient_checkpointing is not None:
             self.activation_checkpointing = self.gradient_checkpointing
+        _check_bf16_device(self)
         super().__post_init__()
         # ... except what GRPOConfig parses from the command line first (`generation_kwargs`).
         _check(self, _RULES_AFTER_PARSING)
@@ -360,6 +361,24 @@ class RPPConfig(GRPOConfig):
             check_exact_sampling(given, self.temperature, where="generation_kwargs: ", replayed=replayed,
                                  neutral_values=NEUTRAL_VLLM_SAMPLING if self.use_vllm else None,
                                  under=" and ".join(needs))
+
+
+def _check_bf16_device(config) -> None:
+    """GRPOConfig turns bf16 on unless fp16 is set, and transformers then refuses a machine without a bf16 GPU with
+    "You need to assign use_cpu", which points away from the usual fix. Raised here under exactly transformers'
+    condition, so that this message replaces that one and nothing else changes."""
+    from transformers.utils import import_utils
+
+    bf16 = (not config.fp16) if config.bf16 is None else config.bf16
+    if not (bf16 or config.bf16_full_eval) or config.use_cpu:
+        return
+    if import_utils.is_torch_bf16_gpu_available() or import_utils.is_torch_xla_available():
+        return
+    field_name = "bf16" if bf16 else "bf16_full_eval"
+    default = " (GRPOConfig's default when fp16 is not set)" if config.bf16 is None else ""
+    raise ValueError(
+        f"{field_name}=True{default} needs a GPU with bfloat16 support, and this machine has none. To train in "
+        f"float32 here, set {field_name}=False (on the command line: --{field_name} false).")
 
 
 def _real(x) -> bool:
