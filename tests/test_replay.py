@@ -160,6 +160,17 @@ def test_on_policy_ratio_is_one_with_replay_and_the_kept_mass_without(tmp_path, 
     assert mass.max().item() < 1 - 1e-3  # every position truncated something: the check above has teeth
 
 
+def test_score_centering_coeff_l1_is_zero_on_policy_with_a_truncating_sampler(tmp_path, tiny_model):
+    """With `top_k` replayed, score centering's head is the whole kept set and the loss's coefficients are ``q``, of
+    L1 norm 1 whatever the drift: the logged `score_centering/coeff_l1` is the correction's size instead, 0 at the one
+    step that trains on-policy samples (`tests/test_score_centering_trainer.py` checks it without truncation)."""
+    trainer, batch, _, _ = on_policy_run(tmp_path, tiny_model, SETTINGS["top_k"], replay=True, score_centering=True)
+    logs = [h for h in trainer.state.log_history if "score_centering/coeff_l1" in h]
+    assert logs and logs[0]["score_centering/sampler_logp_abs_diff"] < 1e-4
+    assert logs[0]["score_centering/coeff_l1"] < 1e-4, logs[0]
+    assert logs[0]["score_centering/sampler_head_mass"] == pytest.approx(1.0, abs=1e-5)  # the head is the kept set
+
+
 # --- the loss gradient against a float64 reference with log pi(y | S) -----------------------------------------------
 
 

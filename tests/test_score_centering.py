@@ -381,3 +381,55 @@ def test_metric_sums_against_plain_loops():
     assert per_token["score_centering/coeff_l1"].item() == pytest.approx(l1, rel=1e-6)
     assert sampled["sampler_logp_abs_diff"].item() == pytest.approx(diff, rel=1e-6)
     assert sampled["sampled"].item() == count == 2
+
+
+def _l1_by_loops(head, sampler_head, mask, closed):
+    """Float64 loops: the summed ``sum_H |q_v - rho p_v|`` over valid positions, ``rho = 1`` on closed heads."""
+    total = 0.0
+    for b in range(head.size(0)):
+        for t in range(head.size(1)):
+            if not mask[b, t]:
+                continue
+            q = [math.exp(float(v)) for v in sampler_head[b, t]]
+            p = [math.exp(float(v)) for v in head[b, t]]
+            rho = 1.0 if closed[b, t] else max(1 - sum(q), 0.0) / max(1 - sum(p), 1e-6)
+            total += sum(abs(qv - rho * pv) for qv, pv in zip(q, p))
+    return total
+
+
+def test_coeff_l1_is_the_size_of_the_correction_zero_on_policy_and_growing_with_drift():
+    """`score_centering/coeff_l1` measures the correction: 0 when sampler and trainer agree, over a head that holds the
+    whole (replayed) support (where the loss's coefficients are ``q``, of L1 norm 1) as over a top-k head with a tail,
+    and growing with the drift between them; equal to float64 loops on mixed closed and open heads."""
+    from trl_rpp.score_centering import score_centering_metric_sums
+
+    g = torch.Generator().manual_seed(1)
+    B, T, k = 2, 4, 3
+    base = torch.randn(B, T, 6, generator=g, dtype=torch.float64)
+    direction = torch.randn(B, T, 6, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    logps, sampler_logps = torch.zeros(B, T), torch.zeros(B, T)
+    for closed_value in (True, False):
+        closed = torch.full((B, T), closed_value)
+        sizes = []
+        for drift in (0.0, 0.05, 0.2, 0.8):
+            if closed_value:  # the head is the whole kept set: both renormalized over it
+                q = torch.log_softmax(base[..., :k], -1)
+                p = torch.log_softmax(base[..., :k] + drift * direction[..., :k], -1)
+            else:  # a top-k head of a 6-token vocabulary: both keep a tail
+                q = torch.log_softmax(base, -1)[..., :k]
+                p = torch.log_softmax(base + drift * direction, -1)[..., :k]
+            q, p = q.float(), p.float()
+            p[1, 3] = float("nan")  # masked: never read
+            per_token, _ = score_centering_metric_sums(logps, p, q, sampler_logps, mask, closed)
+            sizes.append(per_token["score_centering/coeff_l1"].item() / mask.sum().item())
+            assert per_token["score_centering/coeff_l1"].item() == pytest.approx(
+                _l1_by_loops(p, q, mask, closed), rel=1e-6, abs=1e-7)
+        assert sizes[0] < 1e-6, (closed_value, sizes)
+        assert sizes[1] > 1e-3 and sizes[1] < sizes[2] < sizes[3], (closed_value, sizes)
+    # Mixed heads in one batch, against the loops.
+    closed = torch.tensor([[True, False, True, False], [False, True, False, True]])
+    q = torch.log_softmax(base, -1)[..., :k].float()
+    p = torch.log_softmax(base + 0.3 * direction, -1)[..., :k].float()
+    per_token, _ = score_centering_metric_sums(logps, p, q, sampler_logps, mask, closed)
+    assert per_token["score_centering/coeff_l1"].item() == pytest.approx(_l1_by_loops(p, q, mask, closed), rel=1e-6)

@@ -93,6 +93,19 @@ def test_no_reference_forward_when_no_kl(tmp_path, tiny_model):
         assert "ref_per_token_logps" not in batch and "old_per_token_logps" not in batch
 
 
+def test_model_as_a_path_loads_as_its_string_does(tmp_path, tiny_model):
+    """`RPPTrainer(model=Path(...))` takes a local folder as an `os.PathLike`, as `from_pretrained` does (the offline
+    model's `smollm2_path()` returns one), and trains as with the folder's name as a string."""
+    from pathlib import Path
+
+    args = make_args(tmp_path, "reinforce_plus_plus", kl_coef=0.0, max_steps=1)
+    trainer = RPPTrainer(model=Path(tiny_model), reward_funcs=[copy_first_char_reward, length_reward], args=args,
+                         train_dataset=copy_task_dataset(8))
+    assert trainer.model.config._name_or_path == str(tiny_model)
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
 def test_trainer_rejects_plain_grpo_config(tiny_model):
     from trl import GRPOConfig
 

@@ -72,7 +72,7 @@ def loss_statistics(logps, old_logps, entropies, advantages, mask, epsilon_low, 
     the sums named in ``per_token`` are divided by the valid-token count (`loss_metrics`). ``logps``, ``old_logps``,
     ``entropies``, ``advantages`` and ``mask`` are ``[B, T]``; ``scalars`` the 0-dim losses logged as they are
     (`policy_loss`, `kl_loss`, `aux_loss`); ``sampler``, with score centering, ``(head_logps [B, T, k],
-    sampler_head_logps [B, T, k], sampler_per_token_logps [B, T])``."""
+    sampler_head_logps [B, T, k], sampler_per_token_logps [B, T], closed [B, T] or None)``."""
     zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
     ratio = torch.exp(torch.where(mask, logps - old_logps, zero))
     low = mask & (ratio < 1 - epsilon_low) & (advantages < 0)
@@ -82,7 +82,9 @@ def loss_statistics(logps, old_logps, entropies, advantages, mask, epsilon_low, 
     means = {"ppo_kl": masked_response_mean(old_logps - logps, mask), **scalars}
     sc_sums = {}
     if sampler is not None:
-        sc_per_token, sc_sums = score_centering_metric_sums(logps, *sampler, mask)
+        head_logps, sampler_head_logps, sampler_logps, closed = sampler
+        sc_per_token, sc_sums = score_centering_metric_sums(logps, head_logps, sampler_head_logps, sampler_logps, mask,
+                                                            closed)
         per_token.update(sc_per_token)
     return {"tokens": mask.sum(), **per_token, **sc_sums}, means, list(per_token)
 

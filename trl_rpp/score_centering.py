@@ -278,6 +278,7 @@ def score_centering_metric_sums(
     sampler_head_logps: torch.Tensor,
     sampler_logps: torch.Tensor,
     mask: torch.Tensor,
+    closed: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Local sums behind the `score_centering/*` metrics (docs/rpp_trainer.md#logged-metrics), for one reduction across processes.
 
@@ -288,14 +289,23 @@ def score_centering_metric_sums(
         head_logps, sampler_head_logps: ``[B, T, k]`` trainer and sampler log-probs at the sampler's head ids.
         sampler_logps: ``[B, T]`` the sampler's log-prob of the sampled token; non-finite where it did not report it.
         mask: ``[B, T]`` bool or 0/1.
+        closed: optional ``[B, T]`` bool, heads that hold the whole (replayed) support, see
+            `score_centering_coefficients`.
 
     Returns:
         ``(per_token, sampled)``: 0-dim sums over valid tokens of the sampler's and the trainer's head masses and of
-        the coefficients' L1 norm (keyed by metric name, to be divided by the valid-token count), and the sum of
-        ``|log q_y - log p_y|`` with the count of tokens it covers (``sampler_logp_abs_diff``, ``sampled``).
+        the size of the correction, ``sum_H |q_v - rho p_v|`` (keyed by metric name, to be divided by the valid-token
+        count), and the sum of ``|log q_y - log p_y|`` with the count of tokens it covers (``sampler_logp_abs_diff``,
+        ``sampled``). Where the head holds the whole support (``closed``), the loss's coefficients are ``q`` and
+        the metric takes ``rho = 1``: as ``sum_S p_v grad log p_v = 0`` there, ``q - p`` gives the same gradient, and
+        it is 0 on policy, where ``|q|_1 = 1`` whatever the drift.
     """
     m = _as_bool_mask(mask)
-    coeff, q_mass, p_mass = score_centering_coefficients(head_logps, sampler_head_logps, m)
+    coeff, q_mass, p_mass = score_centering_coefficients(head_logps, sampler_head_logps, m, closed=closed)
+    if closed is not None:
+        present = coeff != 0
+        p = torch.where(present, head_logps.detach().to(torch.float64), -torch.inf).exp()
+        coeff = coeff - torch.where(closed.bool().unsqueeze(-1), p, torch.zeros_like(p))
     has = m & torch.isfinite(sampler_logps)
     diff = torch.where(has, (sampler_logps - logps.detach()).abs(), _zero(logps))
     per_token = {

@@ -127,7 +127,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
        `reward_timeout` (`RewardFunctionError`, or its rows unscorable: `reward_errors`); a NaN/Inf gradient norm
        skips the optimizer step; an engine failure becomes a `GenerationEngineError` naming the engine, process, step
        and the checkpoint to resume from; a server's requests get a time limit and are not resent after it.
-    13. **Inputs.** `args` must be an `RPPConfig` (`TypeError`); a dataset without a `prompt` column (unless an
+    13. **Inputs.** `model` may be an `os.PathLike` (a local folder), as `from_pretrained` takes; `args` must be an
+       `RPPConfig` (`TypeError`); a dataset without a `prompt` column (unless an
        `environment_factory` is given) or an empty training dataset raises a `ValueError` before any model is loaded.
     14. **Parallelism.** Tensor, context and sequence parallelism (`tp_size`, `cp_size` or `sp_size` > 1) raise a
        `ValueError`: the normalization counts every process's tokens once.
@@ -140,6 +141,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
     def __init__(
         self, model, reward_funcs=None, args: RPPConfig | None = None, train_dataset=None, eval_dataset=None, **kwargs
     ):
+        if isinstance(model, os.PathLike):  # a local folder as a Path, which `from_pretrained` takes too
+            model = os.fspath(model)
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = RPPConfig(f"{str(name).rstrip('/').split('/')[-1] or 'model'}-RPP")
@@ -419,14 +422,17 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         eps = (self.epsilon_low, self.epsilon_high)
         if fwd.head_logps is None:
             return response_mean_ppo_loss(fwd.logps, old_logps, advantages, mask, *eps, importance_weights=is_weights)
-        closed = None
-        if self._rpp_bound is not None:  # the head holds the whole kept set: no tail (`score_centering_coefficients`)
-            closed = head_is_whole_support(inputs["sampler_support_ids"], inputs["sampler_head_ids"].size(-1))
         return score_centered_ppo_loss(
             fwd.logps, old_logps, advantages, mask, fwd.head_logps, inputs["sampler_head_logps"], *eps,
             importance_weights=is_weights, weight_fn=self._rpp_weight_fn if is_weights is not None else None,
-            closed=closed,
+            closed=self._closed_heads(inputs),
         )
+
+    def _closed_heads(self, inputs):
+        """``[B, T]`` heads that hold the whole kept set (no tail, `score_centering_coefficients`), or None."""
+        if self._rpp_bound is None:
+            return None
+        return head_is_whole_support(inputs["sampler_support_ids"], inputs["sampler_head_ids"].size(-1))
 
     def _kl_loss(self, logps, ref_logps, mask):
         if self.args.kl_loss_type == "k2":
@@ -438,7 +444,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         scalars = {"policy_loss": policy_loss, **({"kl_loss": kl_loss} if kl_loss is not None else {}),
                    **({"aux_loss": fwd.aux_loss} if self.aux_loss_enabled else {})}
         sampler = None if fwd.head_logps is None else (
-            fwd.head_logps, inputs["sampler_head_logps"], inputs["sampler_per_token_logps"])
+            fwd.head_logps, inputs["sampler_head_logps"], inputs["sampler_per_token_logps"], self._closed_heads(inputs))
         sums, means, per_token = loss_statistics(fwd.logps.detach(), old_logps, fwd.entropies.detach(), advantages,
                                                  mask, self.epsilon_low, self.epsilon_high, scalars, sampler)
         v = reduce_across_processes(self.accelerator.gather, sums=sums, means=means,
