@@ -188,15 +188,15 @@ def test_docstring_and_field_metadata_agree():
                 assert f'"{choice}"' in doc, (f.name, choice)
 
 
-def test_one_word_per_choice_with_the_former_word_accepted_and_warned():
-    """`nonfinite_rewards` and `reward_errors` share their choices ("raise", "unscorable"). The former
-    `nonfinite_rewards="error"` still works, as "raise", with a FutureWarning that names the new value."""
+def test_one_word_per_choice():
+    """`nonfinite_rewards` and `reward_errors` share their choices ("raise", "unscorable"); any other word is refused,
+    naming the accepted ones."""
     fields = {f.name: f for f in dataclasses.fields(RPPConfig)}
     assert fields["nonfinite_rewards"].metadata["choices"] == fields["reward_errors"].metadata["choices"]
     assert RPPConfig(**CPU).nonfinite_rewards == "raise"
-    with pytest.warns(FutureWarning, match=r"^nonfinite_rewards='error' is deprecated and will be removed; use "
-                                           r"nonfinite_rewards='raise', the same behaviour"):
-        assert RPPConfig(**CPU, nonfinite_rewards="error").nonfinite_rewards == "raise"
+    with pytest.raises(ValueError, match=r"^nonfinite_rewards='error' is not supported; accepted values are 'raise', "
+                                         r"'unscorable'\."):
+        RPPConfig(**CPU, nonfinite_rewards="error")
     with pytest.raises(ValueError, match=r"^nonfinite_rewards='errors' is not supported; accepted values are 'raise', "
                                          r"'unscorable'\."):
         RPPConfig(**CPU, nonfinite_rewards="errors")

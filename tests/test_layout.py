@@ -1,16 +1,14 @@
-"""The package's layout: each layer imports only the layers under it, every module's first line says what it is, the
-old module paths still import (with a `DeprecationWarning`) for one release, and the budgets hold."""
+"""The package's layout: each layer imports only the layers under it, every module's first line says what it is, and
+each public export comes from the module the package's table names."""
 
 import ast
 import importlib
 import re
-import warnings
 from pathlib import Path
 
 import pytest
 
 import trl_rpp
-from trl_rpp._moved import MOVED, REMOVED
 
 PACKAGE = Path(trl_rpp.__file__).parent
 ROOT = PACKAGE.parent
@@ -19,7 +17,7 @@ ROOT = PACKAGE.parent
 # layer or of the layers under it; `trl_rpp.patches` is the one module that touches other libraries' internals.
 PURE = {"core", "score_centering", "truncation", "lm_head"}
 LAYERS = [
-    ("pure tensor functions", lambda m: m in PURE or m == "_moved"),  # `_moved`: the old paths' table, stdlib only
+    ("pure tensor functions", lambda m: m in PURE),
     ("the one room for foreign internals", lambda m: m in ("patches", "errors")),
     ("the sampler's records", lambda m: m.startswith("records")),
     ("faults and engines", lambda m: m.startswith(("faults", "engines"))),
@@ -58,7 +56,7 @@ def _package_imports(path: Path) -> set[str]:
 def _modules():
     for path in sorted(PACKAGE.rglob("*.py")):
         name = ".".join(path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
-        if name not in ("__init__", "_moved") and not name.startswith(("testing", "recipes")):
+        if name != "__init__" and not name.startswith(("testing", "recipes")):
             yield name, path
 
 
@@ -92,40 +90,10 @@ def test_no_two_modules_open_with_the_same_sentence():
         first[line] = path.relative_to(ROOT)
 
 
-def _moved_names():
-    for old, names in MOVED.items():
-        for name, target in names.items():
-            if name != "*":
-                yield old, name, target
-
-
-@pytest.mark.parametrize("old,name,target", list(_moved_names()))
-def test_an_old_path_still_imports_its_name_with_a_deprecation_warning(old, name, target):
-    new_module, new_name = target if isinstance(target, tuple) else (target, name)
-    with pytest.warns(DeprecationWarning, match=f"{old}.{name} moved to {new_module}.{new_name}"):
-        value = getattr(importlib.import_module(old), name)
-    assert value is getattr(importlib.import_module(new_module), new_name)
-
-
-@pytest.mark.parametrize("old,name", [(old, name) for old, names in REMOVED.items() for name in names])
-def test_a_removed_old_name_raises_naming_its_replacement(old, name):
-    """A name whose parameters changed meaning, or that dissolved, is not forwarded: the import fails, naming what
-    replaced it."""
-    with pytest.raises(AttributeError, match=f"^{old}.{name} was removed .*; use {re.escape(REMOVED[old][name])}$"):
-        getattr(importlib.import_module(old), name)
-
-
-@pytest.mark.parametrize("old", [old for old, names in MOVED.items() if "*" in names])
-def test_a_module_that_moved_whole_forwards_every_public_name(old):
-    new = importlib.import_module(MOVED[old]["*"])
-    public = [n for n in vars(new) if not n.startswith("_") and getattr(vars(new)[n], "__module__", None) == new.__name__]
-    assert public
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for name in public:
-            assert getattr(importlib.import_module(old), name) is getattr(new, name)
-
-
-def test_the_public_exports_import():
+def test_each_public_export_is_defined_where_the_package_says():
+    """`trl_rpp.X` loads `X` from the module of `trl_rpp._LAZY` that defines it (not a re-export from elsewhere), and
+    `dir(trl_rpp)` lists it."""
     for name in trl_rpp.__all__:
-        assert getattr(trl_rpp, name) is not None
+        value = getattr(trl_rpp, name)
+        assert value.__module__ == "trl_rpp" + trl_rpp._LAZY[name], (name, value.__module__)
+        assert value.__name__ == name and name in dir(trl_rpp)

@@ -16,10 +16,6 @@ stays light.
 
 __version__ = "0.1.0"
 
-from ._moved import install as _install_moved  # noqa: E402  (the old module paths, deprecated: `trl_rpp._moved`)
-
-_install_moved()
-
 _CORE = ("global_masked_normalize", "group_centered_rewards", "group_mean_advantages", "kl_k1", "kl_k2",
          "masked_response_mean", "reinforce_pp_returns", "response_mean_k2_loss", "response_mean_ppo_loss")
 _SCORE_CENTERING = ("sampled_and_head_logps", "score_centered_ppo_loss", "score_centering_coefficients",

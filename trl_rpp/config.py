@@ -13,7 +13,6 @@ import dataclasses
 import math
 import numbers
 import textwrap
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -27,8 +26,6 @@ KL_LOSS_TYPES = ("k1", "k2")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SERVER_WEIGHT_SYNCS = ("nccl", "disk")
 REWARD_ERRORS = ("raise", "unscorable")  # the choices of reward_errors and nonfinite_rewards
-# (field, former value, value): a renamed choice, still accepted with a FutureWarning.
-_RENAMED_VALUES = (("nonfinite_rewards", "error", "raise"),)
 
 # Per-estimator defaults of the REINFORCE++ recipes (`docs/numerics.md`) for the fields left at `None`.
 # `kl_loss_coef` follows `use_kl_loss` instead (`_KL_LOSS_COEF`): 0.0 wherever the KL loss is off, so that the resolved
@@ -308,11 +305,6 @@ class RPPConfig(GRPOConfig):
                 setattr(self, name, value)
         if self.kl_loss_coef is None:
             self.kl_loss_coef = _KL_LOSS_COEF[bool(self.use_kl_loss)]
-        for name, old, new in _RENAMED_VALUES:
-            if getattr(self, name) == old:
-                warnings.warn(f"{name}={old!r} is deprecated and will be removed; use {name}={new!r}, the same "
-                              f"behaviour (the word reward_errors uses).", FutureWarning, stacklevel=3)
-                setattr(self, name, new)
         # Everything is checked before GRPOConfig.__post_init__ sets up devices, so a wrong config costs nothing...
         for f in dataclasses.fields(self):
             if "choices" in f.metadata and f.name in RPPConfig.__annotations__:

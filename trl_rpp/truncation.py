@@ -94,9 +94,3 @@ def support_of(ids: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
     log-probs of `SamplerSupportCapture` or vLLM's `processed_logprobs`) holds no finite log-prob: a token the
     sampler could not draw."""
     return ids.masked_fill(~torch.isfinite(logps), ABSENT)
-
-
-def __getattr__(name):  # `SamplerSupportCapture` moved to `trl_rpp.records.capture` (`trl_rpp._moved`)
-    from ._moved import moved_name
-
-    return moved_name(__name__, name)
