@@ -2,7 +2,6 @@
 each public export comes from the module the package's table names."""
 
 import ast
-import importlib
 import re
 from pathlib import Path
 
