@@ -22,7 +22,7 @@ setup(
     # tests/test_package.py::test_grpo_private_methods_keep_their_signatures fails where one changes.
     install_requires=[
         "torch>=2.11.0",
-        "numpy>=2.3.5",  # trl_rpp.sampling; TRL, transformers and datasets require it too
+        "numpy>=2.3.5",  # trl_rpp.records.settings; TRL, transformers and datasets require it too
         "trl>=1.16.0,<1.17",
         "transformers>=5.17.0",
         "peft>=0.21.0",

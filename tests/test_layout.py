@@ -2,6 +2,7 @@
 each public export comes from the module the package's table names."""
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
@@ -90,9 +91,72 @@ def test_no_two_modules_open_with_the_same_sentence():
 
 
 def test_each_public_export_is_defined_where_the_package_says():
-    """`trl_rpp.X` loads `X` from the module of `trl_rpp._LAZY` that defines it (not a re-export from elsewhere), and
+    """`trl_rpp.<name>` loads the name from the module of `trl_rpp._LAZY` that defines it (not a re-export from elsewhere), and
     `dir(trl_rpp)` lists it."""
     for name in trl_rpp.__all__:
         value = getattr(trl_rpp, name)
         assert value.__module__ == "trl_rpp" + trl_rpp._LAZY[name], (name, value.__module__)
         assert value.__name__ == name and name in dir(trl_rpp)
+
+
+# --- Names that exist -----------------------------------------------------------------------------------------------
+
+# A dotted path from `trl_rpp` anywhere, or a path relative to the package in backticks (`records.settings`,
+# `faults.preemption.parse_preemption_signals`), and a repository file (`trl_rpp/...`, `tests/...`, `benchmarks/...`, `examples/...`, `docs/...`).
+_DOTTED = re.compile(r"(?<![\w./])trl_rpp(?:\.[A-Za-z_]\w*)+")
+_RELATIVE = re.compile(r"`([a-z_]+(?:\.[A-Za-z_]\w*)+)(?:\(\))?`")
+_FILE = re.compile(r"(?<![\w./-])((?:trl_rpp|tests|benchmarks|examples|docs)/[\w./-]*\.(?:py|jsonl|json|md|yaml|sh|png))")
+# Module names that are also the names of ordinary objects (`trainer.save_model`, `config.max_position_embeddings`):
+# a backticked `trainer.x` names the object, not the module.
+_OBJECT_NAMES = {"trainer", "config", "engine", "metrics", "vllm", "lm_head", "batch", "core"}
+_SUBPACKAGES = ("", "records.", "faults.", "engines.", "testing.", "recipes.")
+
+
+def _prose(path: Path) -> str:
+    """What a file says in words: a page whole; of a Python file, its docstrings and comments (code strings name
+    things that do not exist on purpose, e.g. a test of an unknown name)."""
+    text = path.read_text()
+    if path.suffix != ".py":
+        return text
+    import io
+    import tokenize
+
+    said = [tok.string for tok in tokenize.generate_tokens(io.StringIO(text).readline) if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            said.append(ast.get_docstring(node, clean=False) or "")
+    return "\n".join(said)
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_every_module_and_file_named_in_docstrings_comments_and_docs_exists():
+    import pkgutil
+
+    modules = {m.name.rsplit(".", 1)[-1] for m in pkgutil.walk_packages(trl_rpp.__path__, "trl_rpp.")} - _OBJECT_NAMES
+    pages = [ROOT / "README.md", ROOT / "setup.py", ROOT / "Makefile", *sorted((ROOT / "docs").glob("*.md"))]
+    for folder in ("trl_rpp", "tests", "benchmarks", "examples"):
+        pages += sorted((ROOT / folder).rglob("*.py")) + sorted((ROOT / folder).rglob("*.md"))
+    missing = []
+    for path in pages:
+        said = _prose(path)
+        where = path.relative_to(ROOT)
+        missing += [(where, name) for name in _DOTTED.findall(said) if not _resolves(name)]
+        for name in _RELATIVE.findall(said):
+            if name.split(".")[0] in modules and not any(_resolves(f"trl_rpp.{p}{name}") for p in _SUBPACKAGES):
+                missing.append((where, name))
+        missing += [(where, f) for f in _FILE.findall(said) if not (ROOT / f).exists()]
+    assert not missing, f"names of modules, members or files that do not exist: {missing}"

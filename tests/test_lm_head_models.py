@@ -1,4 +1,4 @@
-"""The head read through a model's own forward (`replay.install_head_reader`, `replay.head_logps`) equals today's
+"""The head read through a model's own forward (`trl_rpp.records.head.install_head_reader`, `trl_rpp.records.replay.head_logps`) equals today's
 full-logits path on that model: `support_logps` (replay) and `sampled_and_head_logps` (score centering) of the
 logits its unpatched forward returns, in value and in the gradient of every parameter, to 1e-10 in float64.
 

@@ -188,7 +188,7 @@ def test_the_server_url_checked_at_construction_is_the_one_trls_client_uses():
     assert 'self.base_url = f"{scheme}://{parsed_url.netloc}{parsed_url.path}"' in client
 
 
-def test_the_vllm_branch_that_trainer_utils_copies_is_unchanged():
+def test_the_vllm_branch_that_patches_vllm_generate_copies_is_unchanged():
     """`vllm_generate` (under `generate_vllm_with_topk`) is GRPO's vLLM branch of `_generate_single_turn` up to the
     engine's answer: a keyword TRL adds to its `generate` call (a new multimodal input, say) must be added there too,
     not silently dropped."""

@@ -29,7 +29,7 @@ __all__ = [*_LAZY]
 def __getattr__(name):
     import importlib
 
-    if name in ("core", "score_centering"):  # `trl_rpp.core.x` works after a bare `import trl_rpp`
+    if name in ("core", "score_centering"):  # `trl_rpp.core`'s names work after a bare `import trl_rpp`
         return importlib.import_module(f".{name}", __name__)
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)

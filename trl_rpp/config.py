@@ -2,10 +2,11 @@
 
 Each field is documented once, in its `help` metadata (what `trl-rpp --help` prints); the class docstring is rendered
 from it in GRPOConfig's format. Each validation rule is written once: a row of `_RULES` here, or a function in the
-module whose vocabulary it checks, called wherever its input appears (`preemption.parse_preemption_signals`;
-`sampling.check_exact_sampling`, for this config and again, at trainer construction, for the model's own generation
-config; `distributed` and `vllm_engine` for what only exists once the trainer is built). Every rejection uses one
-message format (`errors.unsupported`)."""
+module whose vocabulary it checks, called wherever its input appears
+(`trl_rpp.faults.preemption.parse_preemption_signals`; `trl_rpp.records.settings.check_exact_sampling`, for this
+config and again, at trainer construction, for the model's own generation config; `trl_rpp.distributed` and
+`trl_rpp.patches.vllm_engine_args` for what only exists once the trainer is built). Every rejection uses one message
+format (`trl_rpp.errors.unsupported`)."""
 
 from __future__ import annotations
 

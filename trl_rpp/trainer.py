@@ -183,7 +183,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
                 "RPPTrainer needs a reference model for its KL (kl_coef > 0 or use_kl_loss=True), but GRPOTrainer built "
                 "none: this TRL version no longer builds it when beta != 0."
             )
-        use_weight_sync(self, disk_sync)  # a CPU engine, or a server through a directory, needs its own (vllm_engine)
+        use_weight_sync(self, disk_sync)  # a CPU engine, or a server through a directory, needs its own (trl_rpp.engines)
         if self._rpp_width and args.use_vllm:
             request_logprobs(self.vllm_generation, self._rpp_width)
         self._rpp_rewards_per_func = None

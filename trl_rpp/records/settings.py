@@ -216,7 +216,7 @@ def check_score_centering_support(trainer) -> None:
     """Reject, at construction, the GRPO features whose sampling the sampler record (score centering's top-k, or a
     replayed truncating sampler's kept sets) cannot see, and, with score centering, a model generation config that
     changes the sampling distribution q other than by a replayed truncation. Then has the policy's and the reference's
-    forwards read the head in tiles (`replay.install_head_reader`, which refuses a head it cannot read)."""
+    forwards read the head in tiles (`trl_rpp.records.head.install_head_reader`, which refuses a head it cannot read)."""
     from .head import install_head_reader
 
     users = [name for name, on in (("score_centering=True", trainer.args.score_centering),
