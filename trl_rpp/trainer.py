@@ -71,10 +71,10 @@ from .metrics import warn_empty_batch
 from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .patches import borrowed_beta, request_logprobs, vllm_engine_args, without_nccl_group
 from .records.capture import SamplerSupportCapture, SamplerTopKCapture, capturing_generate
-from .records.head import lora_head_allowed, use_lora_head
+from .records.head import has_lora_head, install_head_reader, lora_head_allowed
 from .records.multi_turn import install_rollout_checks, sampler_topk_of_generation
 from .records.replay import head_is_whole_support, head_logps, kept_sets_of_generation, replayed_logps
-from .records.settings import check_score_centering_support, sampler_record, sampler_settings
+from .records.settings import check_model_sampling, check_sampler_record_support, sampler_record, sampler_settings
 from .records.settings import warn_overridden_model_sampling
 from .score_centering import importance_weight_fn, score_centered_ppo_loss
 
@@ -191,10 +191,19 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         self._rpp_engine_faults = EngineFaults()  # a vLLM engine that raises (trl_rpp.faults.engine)
         guard_server_client(self, self._rpp_engine_faults)  # vLLM server mode (trl_rpp.faults.engine)
         if self._rpp_width:
-            check_score_centering_support(self)
+            users = [name for name, on in (("score_centering=True", args.score_centering),
+                                           ("a replayed truncating sampler", bound is not None)) if on]
+            check_sampler_record_support(users, self.rollout_func is not None and bool(self.tools), self._is_vlm,
+                                         self.aux_loss_enabled)
+            if args.score_centering and not self.use_vllm:  # vLLM samples with the config's settings, checked there
+                check_model_sampling(model_generation, self.generation_kwargs, self.temperature, bound is not None)
             self._rpp_weight_fn = importance_weight_fn(self)  # TRL's token-level sampler correction f(ratio), or None
         # A LoRA adapter on the head: TRL's fused head would ignore it, every forward reads it (trl_rpp.records.head).
-        self._rpp_lora_head = use_lora_head(self, reader_installed=bool(self._rpp_width))
+        self._rpp_lora_head = has_lora_head(self.accelerator.unwrap_model(self.model), self.aux_loss_enabled)
+        if self._rpp_width or self._rpp_lora_head:  # the policy's and reference's forwards read the head in tiles
+            for model in (self.model, self.ref_model):
+                if model is not None:
+                    install_head_reader(self.accelerator.unwrap_model(model))
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's card, written by `trl_rpp.model_card`: the real base model (never a `None` link), the dataset, the

@@ -180,16 +180,13 @@ def lora_head_allowed(model, args, peft_config):
         yield
 
 
-def use_lora_head(trainer, reader_installed: bool) -> bool:
-    """After `GRPOTrainer.__init__`: whether `trainer`'s model carries a LoRA adapter on its head; if so, every
-    log-prob forward reads it (the head reader is installed unless `reader_installed`). An MoE router aux loss, which
-    the head reader does not return, is refused."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
+def has_lora_head(model, aux_loss: bool) -> bool:
+    """After `GRPOTrainer.__init__`: whether the unwrapped `model` carries a LoRA adapter on its head, whose every
+    log-prob forward must then read it (`install_head_reader`). With an MoE router aux loss (`aux_loss`), which the
+    head reader does not return, such a head is refused."""
     if not lora_head(model.get_output_embeddings()):
         return False
-    if trainer.aux_loss_enabled:
+    if aux_loss:
         raise ValueError("a LoRA adapter on lm_head does not support an MoE router aux loss: set "
                          "router_aux_loss_coef=0.0, or remove lm_head from the adapter's target_modules.")
-    if not reader_installed:
-        install_head_reader(model)
     return True

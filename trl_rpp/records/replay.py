@@ -55,7 +55,7 @@ def replayed_logps(model, input_ids, attention_mask, logits_to_keep, support_ids
         tool tokens).
     """
     extra = [name for name, value in (forward or {}).items() if value is not None]
-    if extra:  # multimodal inputs are refused at construction (`records.settings.check_score_centering_support`)
+    if extra:  # multimodal inputs are refused at construction (`records.settings.check_sampler_record_support`)
         raise RuntimeError(f"replay_sampler_support: unexpected forward inputs {extra}")
     if support_ids is not None and support_ids.shape[:2] != (input_ids.size(0), logits_to_keep):
         raise RuntimeError(f"the sampler's kept sets cover {tuple(support_ids.shape[:2])} completion positions, the "

@@ -212,34 +212,26 @@ def sampler_settings(args) -> dict:
     return {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, **(args.generation_kwargs or {})}
 
 
-def check_score_centering_support(trainer) -> None:
-    """Reject, at construction, the GRPO features whose sampling the sampler record (score centering's top-k, or a
-    replayed truncating sampler's kept sets) cannot see, and, with score centering, a model generation config that
-    changes the sampling distribution q other than by a replayed truncation. Then has the policy's and the reference's
-    forwards read the head in tiles (`trl_rpp.records.head.install_head_reader`, which refuses a head it cannot read)."""
-    from .head import install_head_reader
-
-    users = [name for name, on in (("score_centering=True", trainer.args.score_centering),
-                                   ("a replayed truncating sampler", trainer._rpp_bound is not None)) if on]
-    unsupported = [
-        # The rollout's first turn would come with its own lists and the tool loop's turns from `generate`.
-        ("rollout_func together with tools", trainer.rollout_func is not None and bool(trainer.tools)),
-        ("a multimodal processing_class", trainer._is_vlm),
-        ("an MoE router aux loss", trainer.aux_loss_enabled),
-    ]
+def check_sampler_record_support(users: list[str], rollout_func_with_tools: bool, multimodal: bool,
+                                 aux_loss: bool) -> None:
+    """Reject, at construction, the GRPO features whose sampling the sampler record cannot see. `users`: what needs
+    the record (`"score_centering=True"`, `"a replayed truncating sampler"`); then whether the trainer has a
+    `rollout_func` together with `tools` (its first turn would come with its own lists and the tool loop's turns from
+    `generate`), a multimodal processing class, and an MoE router aux loss (the head reader does not return it)."""
+    unsupported = [("rollout_func together with tools", rollout_func_with_tools),
+                   ("a multimodal processing_class", multimodal), ("an MoE router aux loss", aux_loss)]
     for name, present in unsupported:
         if present:
             raise ValueError(
                 f"{' and '.join(users)} does not support {name}: the sampler's log-probs are captured "
                 "token by token inside text `generate` calls (or returned by a rollout_func without tools)."
             )
-    for model in (trainer.model, trainer.ref_model):
-        if model is not None:
-            install_head_reader(trainer.accelerator.unwrap_model(model))
-    if trainer.use_vllm or not trainer.args.score_centering:
-        return  # vLLM samples with the config's settings, already checked by RPPConfig
-    # The model's own generation config also shapes q: check what `generate` will actually use.
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    merged = {**model.generation_config.to_dict(), **trainer.generation_kwargs}
-    replayed = truncating(merged, False) if trainer._rpp_bound is not None else ()
-    check_exact_sampling(merged, trainer.temperature, where="the model's generation config: ", replayed=replayed)
+
+
+def check_model_sampling(model_generation: dict, generation_kwargs: dict, temperature: float, replay: bool) -> None:
+    """With score centering on transformers' `generate`: the model's own generation config (`model_generation`, its
+    `to_dict()`) also shapes q, overridden by the trainer's `generation_kwargs`; reject what changes q other than a
+    replayed truncation (`replay`: the kept sets are replayed)."""
+    merged = {**model_generation, **generation_kwargs}
+    replayed = truncating(merged, False) if replay else ()
+    check_exact_sampling(merged, temperature, where="the model's generation config: ", replayed=replayed)
