@@ -32,6 +32,7 @@ __all__ = [
     "ref_response_mean_ppo_loss",
     "ref_response_mean_ppo_loss_grad",
     "ref_response_mean_k2_loss",
+    "ref_sampled_and_head_logps",
 ]
 
 
@@ -359,6 +360,23 @@ def ref_response_mean_k2_loss(logps, ref_logps, mask):
 # hand-worked self check
 # ---------------------------------------------------------------------------
 
+def ref_sampled_and_head_logps(logits, completion_ids, head_ids, temperature=1.0):
+    """Log-probs at temperature ``t`` of the sampled tokens ``[B, T]`` and of the head ids ``[B, T, k]``, and the
+    entropies ``[B, T]``, from ``logits`` ``[B, S, V]`` whose position ``S - T - 1 + t`` predicts completion token
+    ``t``: the full-vocabulary ``log_softmax(z / t)`` in float64, gathered (differentiable), and ``-sum p log p`` with
+    plain loops. In float64 for float64 logits, else in float32, as the trainer's readers return them. (The one
+    reference here that needs torch: the gradient flows to ``logits``.)"""
+    import torch
+
+    T = completion_ids.size(1)
+    logp_all = torch.log_softmax(logits[:, -T - 1 : -1].double() / temperature, dim=-1)
+    out = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logps = logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1).to(out)
+    head = logp_all.gather(-1, head_ids).to(out)
+    ent = [[-math.fsum(math.exp(v) * v for v in row) for row in seq] for seq in logp_all.tolist()]
+    return logps, head, torch.tensor(ent, dtype=out)
+
+
 def _close(a, b, tol=1e-12):
     return abs(a - b) <= tol * max(1.0, abs(a), abs(b))
 
@@ -479,8 +497,4 @@ def _self_check():
     assert _close(ref_response_mean_k2_loss(lp, rl, pm), 5.75 / 3.0)
     _assert_rows_close(ref_kl_k2(lp, rl, pm), [[0.5, 2.0], [4.5, 0.0], [0.0, 0.0]])
 
-    print("reference self-check passed")
 
-
-if __name__ == "__main__":
-    _self_check()

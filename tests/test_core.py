@@ -364,3 +364,11 @@ def test_returns_across_chunk_boundaries_and_long_completions(dtype):
     long = reinforce_pp_returns(torch.ones(1), torch.zeros(1, 20000), torch.zeros(1, 20000), mask, 0.0, 0.9)
     assert torch.isfinite(long).all() and long[0, -1].item() == 1.0
     assert long[0, -3].item() == pytest.approx(0.81)  # the terminal reward, two positions later: 0.9 ** 2
+
+
+def test_the_float64_references_pass_their_hand_checked_cases():
+    """`tests/reference.py`'s plain-loop references against values worked out by hand (its `_self_check`), so that a
+    reference every numerical test leans on is itself checked in the suite."""
+    import reference
+
+    reference._self_check()

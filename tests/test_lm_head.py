@@ -1,5 +1,5 @@
 """`trl_rpp.lm_head`: log-probs read from the hidden states and the head in tiles, against float64 plain loops and
-against today's full-logits functions (`truncation.support_logps`, `score_centering.sampled_and_head_logps`), values
+against today's full-logits functions (`truncation.support_logps`, the full-vocabulary float64 `log_softmax`), values
 and the gradients of the hidden states, the head's weight and its bias, and of a low-rank term's `u` and `B` (a LoRA
 adapter on the head).
 
@@ -14,7 +14,7 @@ import torch
 
 from trl_rpp import lm_head
 from trl_rpp.lm_head import HeadTransform, full_logps, kept_logps
-from trl_rpp.score_centering import sampled_and_head_logps
+from reference import ref_sampled_and_head_logps
 from trl_rpp.truncation import ABSENT, support_logps
 
 TRANSFORMS = {
@@ -244,7 +244,7 @@ def test_kept_logps_equal_support_logps_on_the_full_logits(dtype, name):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", ["none", "all"])
-def test_full_logps_equal_sampled_and_head_logps_on_the_full_logits(dtype, name):
+def test_full_logps_equal_the_full_log_softmax_of_the_logits(dtype, name):
     transform = TRANSFORMS[name]
     hidden, weight, b, ids, _, w_out = problem(dtype)
     h, w, bb = leaves(hidden, weight, b)
@@ -253,7 +253,7 @@ def test_full_logps_equal_sampled_and_head_logps_on_the_full_logits(dtype, name)
     h, w, bb = leaves(hidden, weight, b)
     logits = transform(torch.nn.functional.linear(h, w, bb))
     pad = torch.zeros(1, V, dtype=dtype)  # one position before (the prompt's last) and one after, as a model returns
-    logps, head, ref_ent = sampled_and_head_logps(torch.cat([pad, logits, pad]).unsqueeze(0), ids[:, 0].unsqueeze(0),
+    logps, head, ref_ent = ref_sampled_and_head_logps(torch.cat([pad, logits, pad]).unsqueeze(0), ids[:, 0].unsqueeze(0),
                                                   ids[:, 1:].unsqueeze(0), TEMP)
     ref = torch.cat([logps.unsqueeze(-1), head], -1)[0]
     want = grads(ref, w_out, [h, w, bb])

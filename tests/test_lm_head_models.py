@@ -1,5 +1,5 @@
 """The head read through a model's own forward (`trl_rpp.records.head.install_head_reader`, `trl_rpp.records.replay.head_logps`) equals today's
-full-logits path on that model: `support_logps` (replay) and `sampled_and_head_logps` (score centering) of the
+full-logits path on that model: `support_logps` (replay) and the full-vocabulary `log_softmax` (score centering) of the
 logits its unpatched forward returns, in value and in the gradient of every parameter, to 1e-10 in float64.
 
 Tiny models built locally, one per way a head is read: tied embeddings, a head with a bias (Phi), Cohere's
@@ -15,7 +15,7 @@ import torch
 
 from trl_rpp.records.replay import head_logps
 from trl_rpp.records.head import head_transform, install_head_reader
-from trl_rpp.score_centering import sampled_and_head_logps
+from reference import ref_sampled_and_head_logps
 from trl_rpp.truncation import ABSENT, support_logps
 
 V, HID, B, S, T, K, TEMP = 37, 16, 2, 9, 4, 5, 0.8
@@ -98,7 +98,7 @@ def test_read_head_equals_todays_full_logits_path(kind, replay):
 
 def compare_with_full_logits(model, replay, pad=True, seed=None, trainable=True):
     """`head_logps` through the patched forward against the unpatched forward's logits (`support_logps` or
-    `sampled_and_head_logps`): values and every trainable parameter's gradient, float64, 1e-10 (values only with
+    `reference.ref_sampled_and_head_logps`): values and every trainable parameter's gradient, float64, 1e-10 (values only with
     `trainable` False: PEFT freezes disabled adapters). With `seed`, both forwards start from that RNG state (dropout
     draws the same masks). Returns the read log-probs."""
     input_ids, attention_mask, support, ids, weights = batch(pad=pad)
@@ -114,7 +114,7 @@ def compare_with_full_logits(model, replay, pad=True, seed=None, trainable=True)
         # With a seed, every position's logits: the head's dropout then draws its mask over the same [B, S, H].
         logits = model(input_ids=input_ids, attention_mask=attention_mask,
                        logits_to_keep=T + 1 if seed is None else 0).logits[:, -T - 1 :]
-        logps, head, _ = sampled_and_head_logps(logits, ids[..., 0], ids[..., 1:], TEMP)
+        logps, head, _ = ref_sampled_and_head_logps(logits, ids[..., 0], ids[..., 1:], TEMP)
         ref = torch.where(mask.unsqueeze(-1), torch.cat([logps.unsqueeze(-1), head], -1), 0.0)
     want = param_grads(model, (ref * weights).sum()) if trainable else {}
 
@@ -409,7 +409,7 @@ def full_logits_reference(trainer, model, inputs):
         ref = support_logps(logits[:, :-1], ids, support, trainer.temperature)
         ref = torch.where((support != ABSENT).any(-1, keepdim=True), ref, torch.zeros_like(ref))
     elif trainer.args.score_centering:
-        logps, head, _ = sampled_and_head_logps(logits, ids[..., 0], ids[..., 1:], trainer.temperature)
+        logps, head, _ = ref_sampled_and_head_logps(logits, ids[..., 0], ids[..., 1:], trainer.temperature)
         ref = torch.cat([logps.unsqueeze(-1), head], -1)
     else:
         ref = torch.log_softmax(logits[:, :-1] / trainer.temperature, -1).gather(-1, ids)

@@ -113,7 +113,8 @@ def test_curve_area_and_copy_reward_by_hand():
 def test_full_vocabulary_centering_is_on_policy_learning_of_the_biased_sampler(seed):
     """With q = softmax(z + b) and the head = the whole vocabulary, the centered score's gradient with respect to the
     trainer's logits z is grad log q_y (the identity of the issue), to float64 rounding; with a top-k head it is not."""
-    from trl_rpp.score_centering import sampled_and_head_logps, score_centering_correction
+    from reference import ref_sampled_and_head_logps
+    from trl_rpp.score_centering import score_centering_correction
 
     g = torch.Generator().manual_seed(seed)
     B, T, V = 3, 4, 46
@@ -126,7 +127,7 @@ def test_full_vocabulary_centering_is_on_policy_learning_of_the_biased_sampler(s
 
     def centered_grad(k):
         head = logq.topk(k, -1).indices
-        logps, head_logps, _ = sampled_and_head_logps(z, y, head)
+        logps, head_logps, _ = ref_sampled_and_head_logps(z, y, head)
         corr = score_centering_correction(head_logps, logq.gather(-1, head), mask)
         (grad,) = torch.autograd.grad(-(A * (logps - corr)).sum(), z)
         return grad

@@ -19,7 +19,8 @@ from tool_model import MultiplyEnv, correct_product_reward, multiply, tool_datas
 from trainer_helpers import CaptureTrainer, make_args
 from trl_rpp import RPPTrainer
 from trl_rpp.records.multi_turn import align_turn_captures, model_segments, rollout_sampler_topk
-from trl_rpp.score_centering import sampled_and_head_logps, score_centered_ppo_loss
+from reference import ref_sampled_and_head_logps
+from trl_rpp.score_centering import score_centered_ppo_loss
 from trl_rpp.batch import token_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -284,7 +285,7 @@ def centered_logits_grad(model, batch, advantages):
     T = batch["completion_ids"].size(1)
     logits = model(input_ids=ids, attention_mask=attention, logits_to_keep=T + 1).logits
     logits.retain_grad()
-    logps, head_logps, _ = sampled_and_head_logps(logits, batch["completion_ids"], batch["sampler_head_ids"], TEMPERATURE)
+    logps, head_logps, _ = ref_sampled_and_head_logps(logits, batch["completion_ids"], batch["sampler_head_ids"], TEMPERATURE)
     mask = token_mask(batch)
     loss = score_centered_ppo_loss(
         logps, logps.detach(), advantages, mask, head_logps, batch["sampler_head_logps"].double()

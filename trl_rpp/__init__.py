@@ -18,8 +18,7 @@ __version__ = "0.1.0"
 
 _CORE = ("global_masked_normalize", "group_centered_rewards", "group_mean_advantages", "kl_k1", "kl_k2",
          "masked_response_mean", "reinforce_pp_returns", "response_mean_k2_loss", "response_mean_ppo_loss")
-_SCORE_CENTERING = ("sampled_and_head_logps", "score_centered_ppo_loss", "score_centering_coefficients",
-                    "score_centering_correction")
+_SCORE_CENTERING = ("score_centered_ppo_loss", "score_centering_coefficients", "score_centering_correction")
 _LAZY = {**dict.fromkeys(_CORE, ".core"), **dict.fromkeys(_SCORE_CENTERING, ".score_centering"),
          "RPPConfig": ".config", "RPPTrainer": ".trainer"}
 

@@ -92,7 +92,8 @@ def kept_logps(hidden, weight, bias, ids, support_ids, temperature, transform=ID
 
 def full_logps(hidden, weight, bias, ids, temperature, transform=IDENTITY, valid=None, tile=None, lowrank=None):
     """`log softmax(transform(h W^T + b [+ u B^T]) / tau)` at `ids` and the full-vocabulary entropy, one tile of
-    positions at a time: what `trl_rpp.score_centering.sampled_and_head_logps` returns from the `[B, T, V]` logits.
+    positions at a time, without the `[N, V]` logits: what `log_softmax(logits / tau).gather(-1, ids)` returns from
+    them, the one implementation of score centering's log-probs (tested against that in float64).
 
     Args:
         hidden: `[N, H]` final hidden states.

@@ -17,107 +17,10 @@ import torch
 from .core import _accum_dtype, _as_bool_mask, _clipped_surrogate, _weighted, _zero, masked_response_mean
 
 __all__ = [
-    "sampled_and_head_logps",
     "score_centering_coefficients",
     "score_centering_correction",
     "score_centered_ppo_loss",
 ]
-
-
-def sampled_and_head_logps(
-    logits: torch.Tensor,
-    completion_ids: torch.Tensor,
-    head_ids: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_size: int = 128,
-    overwrite_logits: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Trainer log-probs of the sampled tokens and of the sampler's head ids, and the entropies, at `temperature`.
-
-    ``log p_v = z_v / temperature - logsumexp(z / temperature)``: the ids' logits are gathered and one logsumexp over
-    the vocabulary is subtracted. The logsumexp and the entropy (TRL's `entropy_from_logits`, without gradient) are
-    computed ``chunk_size`` of the ``B * T`` flattened positions at a time, so that besides the logits the forward
-    produced, no tensor of the vocabulary's size exists in the forward, and the backward writes the logits' gradient
-    into one tensor. That is
-    ``log_softmax(z / temperature).gather(...)`` with the same value and gradient, without its ``[B, T, V]`` copies.
-    With ``overwrite_logits=True`` that one tensor is the logits' own storage: each chunk is read, then overwritten
-    by its gradient, so the backward allocates nothing of the vocabulary's size. Use it only when nothing reads the
-    logits after the backward (a causal LM's head does not); a second backward through the same graph then raises.
-
-    Args:
-        logits: ``[B, S, V]`` model logits with ``S >= T + 1``, position ``S - T - 1 + t`` predicting completion token
-            ``t`` (what a causal LM returns with ``logits_to_keep=T + 1``); any float dtype. Carry the gradient.
-        completion_ids: ``[B, T]`` the sampled tokens.
-        head_ids: ``[B, T, k]`` the sampler's head ids.
-        temperature: the sampling temperature the logits are divided by.
-        chunk_size: positions per chunk of the vocabulary-wide reductions.
-        overwrite_logits: let the backward write the gradient into ``logits`` (see above).
-
-    Returns:
-        ``(logps [B, T], head_logps [B, T, k], entropies [B, T])``, in float32 (float64 for float64 logits); the
-        entropies carry no gradient.
-    """
-    ids = torch.cat([completion_ids.unsqueeze(-1), head_ids], dim=-1)
-    picked, entropies = _GatheredLogSoftmax.apply(logits, ids, float(temperature), int(chunk_size), overwrite_logits)
-    return picked[..., 0], picked[..., 1:], entropies
-
-
-def _chunks(B, T, chunk_size, device):
-    """The ``B * T`` completion positions, ``chunk_size`` at a time over the flattened positions (a chunk may span two
-    responses): ``(flat slice, response index, position index)`` per chunk, the indices ``[n]`` on `device`."""
-    for n0 in range(0, B * T, chunk_size):
-        flat = torch.arange(n0, min(n0 + chunk_size, B * T), device=device)
-        yield slice(n0, n0 + flat.numel()), flat // T, flat % T
-
-
-class _GatheredLogSoftmax(torch.autograd.Function):
-    """``log_softmax(z / t).gather(-1, ids)`` ``[B, T, n]`` and the entropies ``[B, T]``, ``z`` the completion
-    positions of ``logits``. Saves the logits and one logsumexp per position; no ``[B, T, V]`` temporary."""
-
-    @staticmethod
-    def forward(ctx, logits, ids, temperature, chunk_size, overwrite):
-        from trl.trainer.utils import entropy_from_logits  # loaded at first use: `import trl_rpp` stays TRL-free
-
-        B, S, _ = logits.shape
-        T = ids.size(1)
-        acc = _accum_dtype(logits.dtype)
-        z = logits[:, S - T - 1 : S - 1]
-        lse = torch.empty(B * T, dtype=acc, device=logits.device)
-        entropies = torch.empty(B * T, dtype=acc, device=logits.device)
-        for n, b, t in _chunks(B, T, chunk_size, logits.device):
-            scaled = z[b, t].to(acc).div_(temperature)  # `z[b, t]` is a [n, V] copy: dividing it in place is safe
-            lse[n] = torch.logsumexp(scaled, dim=-1)
-            entropies[n] = entropy_from_logits(scaled, chunk_size)
-        lse, entropies = lse.view(B, T), entropies.view(B, T)
-        picked = z.gather(-1, ids).to(acc) / temperature - lse.unsqueeze(-1)
-        ctx.save_for_backward(logits, ids, lse)
-        ctx.temperature, ctx.chunk_size, ctx.overwrite = temperature, chunk_size, overwrite
-        ctx.mark_non_differentiable(entropies)
-        return picked, entropies
-
-    @staticmethod
-    def backward(ctx, grad_picked, _grad_entropies):
-        logits, ids, lse = ctx.saved_tensors
-        t = ctx.temperature
-        B, S, _ = logits.shape
-        T = ids.size(1)
-        if ctx.overwrite:  # positions outside the completion get no gradient; the others are overwritten below
-            grad_logits = logits
-            grad_logits[:, : S - T - 1].zero_()
-            grad_logits[:, S - 1 :].zero_()
-        else:
-            grad_logits = torch.zeros_like(logits)
-        z, grad_z = logits[:, S - T - 1 : S - 1], grad_logits[:, S - T - 1 : S - 1]
-        grad_picked = grad_picked.to(lse.dtype).reshape(B * T, -1)
-        total, flat_ids, flat_lse = grad_picked.sum(-1, keepdim=True), ids.reshape(B * T, -1), lse.view(B * T, 1)
-        # d log p_v / d z_u = (1[u = v] - p_u) / t: minus p times the summed upstream gradient, plus one-hot terms.
-        # Each chunk of z is read (into p) before its gradient is written, so z and grad_z may share storage.
-        for n, b, pos in _chunks(B, T, ctx.chunk_size, logits.device):
-            # In place on the chunk's own copy of z: one [n, V] temporary (two for bf16/fp16 logits).
-            g = z[b, pos].to(lse.dtype).div_(t).sub_(flat_lse[n]).exp_().mul_(-total[n])
-            g.scatter_add_(-1, flat_ids[n], grad_picked[n])
-            grad_z.index_put_((b, pos), g.div_(t).to(grad_z.dtype))
-        return grad_logits, None, None, None, None
 
 
 def score_centering_coefficients(

@@ -55,7 +55,7 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from .batch import FORWARD_KEYS, PolicyForward, sampler_batch_keys, token_mask
 from .config import RPPConfig
-from .core import global_masked_normalize, group_centered_rewards, kl_k1, masked_response_mean, reinforce_pp_returns
+from .core import global_masked_normalize, group_mean_advantages, kl_k1, masked_response_mean, reinforce_pp_returns
 from .core import response_mean_k2_loss, response_mean_ppo_loss
 from .distributed import check_normalization_group
 from .engines.vllm_colocate import use_weight_sync
@@ -335,8 +335,10 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
 
         if self.args.advantage_estimator == "reinforce_plus_plus_baseline":
             num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-            centered = group_centered_rewards(rewards, num_generations, scorable)[local]
-            raw = torch.where(mask, centered.unsqueeze(1), torch.zeros((), dtype=centered.dtype, device=mask.device))
+            # A group may span processes: the baseline takes every process's rewards, and this process keeps its rows.
+            rows = mask.new_zeros(rewards.size(0), mask.size(1))
+            rows[local] = mask
+            raw = group_mean_advantages(rewards, rows, num_generations, scorable)[local]
             batch["advantages"] = self._normalized_advantages(mode, raw, mask, old_logps, ref_logps, batch)
             return batch
         if self.args.kl_coef != 0.0 and old_logps is None:
