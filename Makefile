@@ -104,7 +104,7 @@ test-latest:
 	$(LATEST_BIN)/python -m pytest $(PYTEST_PARALLEL) tests -k vllm
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/core.py
+	$(BIN)/python benchmarks/core_numerics.py
 
 clean:
 	rm -rf $(VENV) outputs

@@ -23,8 +23,8 @@ median wall time of ``--repeats`` runs, the ratio ours / yours, the max abs diff
 and each side's max abs error against ``trl_rpp`` run in float64 (which the test suite checks against an
 independent float64 reference).
 
-    python benchmarks/core.py                          # B=512, T=4096, 5 repeats, 1 thread
-    python benchmarks/core.py --B 64 --T 512 --repeats 3
+    python benchmarks/core_numerics.py                          # B=512, T=4096, 5 repeats, 1 thread
+    python benchmarks/core_numerics.py --B 64 --T 512 --repeats 3
 """
 
 from __future__ import annotations

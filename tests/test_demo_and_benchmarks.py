@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,8 +90,78 @@ def test_demo_busy_cores_reads_per_cpu_idle_time():
     assert _demo_module().default_threads(2, busy(before, after, [0, 1])) == 1
 
 
+BENCHMARKS = Path(ROOT) / "benchmarks"
+
+
+def _benchmark_scripts():
+    """Every script under benchmarks/, in any subfolder, as its path relative to benchmarks/."""
+    return sorted(p.relative_to(BENCHMARKS).as_posix() for p in BENCHMARKS.rglob("*")
+                  if p.suffix in (".py", ".sh") and p.is_file() and "gpu_wheels" not in p.parts)
+
+
+def _table_rows(readme):
+    """The table rows of a README whose first cell links a file: (the link's target, the row's cells)."""
+    rows = []
+    for line in readme.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| [") else []
+        link = re.match(r"\[`[^`]+`\]\(([^)#\s]+)\)", cells[0]) if cells else None
+        if link:
+            rows.append((link.group(1), cells))
+    return rows
+
+
+def _dead_links(readme):
+    """The relative links of `readme` that point at no file, or at no heading of a Markdown file."""
+    dead = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", readme.read_text()):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (readme.parent / path).resolve() if path else readme
+        if not file.exists():
+            dead.append(target)
+        elif anchor and file.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", file.read_text(), flags=re.M)
+            if anchor not in {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}:
+                dead.append(target)
+    return dead
+
+
+def test_every_benchmark_script_has_one_row_in_the_benchmarks_readme():
+    """benchmarks/README.md maps the folder: every script under benchmarks/ (subfolders included) has exactly one table
+    row, which links it and whose command, where it has one, runs it from the repository root; every row's script
+    exists; benchmarks/studies/README.md names every study script. Their links resolve, headings included (the docs
+    sections the rows point at)."""
+    scripts = _benchmark_scripts()
+    assert "core_numerics.py" in scripts and "studies/mismatch_study.py" in scripts, scripts
+    rows = _table_rows(BENCHMARKS / "README.md")
+    linked = sorted(target for target, _ in rows)
+    assert linked == scripts, (sorted(set(scripts) - set(linked)), sorted(set(linked) - set(scripts)))
+    for target, cells in rows:
+        assert len(cells) == 4 and (BENCHMARKS / target).is_file(), cells
+        named = re.findall(r"`(?:python|bash) (benchmarks/[^\s`]+)", cells[2])
+        assert named in ([], [f"benchmarks/{target}"]), (target, cells[2])
+        assert named or target == "studies/run_table.py", f"{target}: no command in its row"
+    studies = BENCHMARKS / "studies" / "README.md"
+    named = {target for target, _ in _table_rows(studies)} | set(re.findall(r"\]\(([\w.]+\.py)\)", studies.read_text()))
+    assert named == {p.name for p in (BENCHMARKS / "studies").glob("*.py")}, named
+    assert "Study 4" in studies.read_text() and "mismatch_study.py" in studies.read_text()
+    for readme in (BENCHMARKS / "README.md", studies):
+        assert not _dead_links(readme), (readme.name, _dead_links(readme))
+
+
+def test_no_benchmark_script_shares_a_name_with_a_module_of_trl_rpp():
+    """A script named like a module of the package (a `core.py` here beside trl_rpp/core.py) reads as that module's
+    benchmark or shadows it on sys.path; and the benchmarks import each other by file name, so no two share one."""
+    package = Path(ROOT) / "trl_rpp"
+    modules = {p.stem for p in package.rglob("*.py")} | {p.name for p in package.rglob("*") if p.is_dir()}
+    stems = [Path(s).stem for s in _benchmark_scripts()]
+    assert not set(stems) & modules, sorted(set(stems) & modules)
+    assert len(stems) == len(set(stems)), sorted(stems)
+
+
 def test_core_benchmark_runs_small():
-    stdout = run(["benchmarks/core.py", "--B", "8", "--T", "64", "--repeats", "1"])
+    stdout = run(["benchmarks/core_numerics.py", "--B", "8", "--T", "64", "--repeats", "1"])
     assert "global_masked_normalize" in stdout
 
 
@@ -121,7 +192,7 @@ def test_demo_step_time_benchmark_runs_small(tmp_path):
 
 @pytest.mark.slow
 def test_compare_estimators_sweep_runs_and_resumes(tmp_path):
-    args = ["benchmarks/compare_estimators.py", "--tiny", "--seeds", "0", "--steps", "2", "--heldout", "16",
+    args = ["benchmarks/studies/compare_estimators.py", "--tiny", "--seeds", "0", "--steps", "2", "--heldout", "16",
             "--threads", "1", "--jobs", "2", "--out", str(tmp_path)]
     run(args, timeout=600)
     for arm in ("rpp", "rpp_baseline", "grpo", "grpo_noscale"):
@@ -130,7 +201,7 @@ def test_compare_estimators_sweep_runs_and_resumes(tmp_path):
         assert (tmp_path / arm / "seed0" / "metrics.jsonl").read_text().count("\n") >= 2
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report["arms"]) == {"rpp", "rpp_baseline", "grpo", "grpo_noscale"}
-    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    assert (tmp_path / "figures" / "evidence_curves.png").stat().st_size > 10_000
     again = run(args, timeout=600)  # a second start resumes: every finished run is skipped
     assert again.count("done earlier, skipped") == 4
 
@@ -230,7 +301,7 @@ def test_kept_set_rows_benchmark_runs_small():
 @pytest.mark.slow
 def test_compare_estimators_drift_study_arms_run_and_correct_as_documented(tmp_path):
     """Study 2 at 2 steps: the run without a bias and the four mismatch arms (full fine-tuning, tiny model)."""
-    args = ["benchmarks/compare_estimators.py", "--study", "drift", "--bias_sigmas", "0,1", "--seeds", "0",
+    args = ["benchmarks/studies/compare_estimators.py", "--study", "drift", "--bias_sigmas", "0,1", "--seeds", "0",
             "--steps", "2", "--eval_every", "1", "--heldout", "16", "--threads", "1", "--jobs", "2", "--out", str(tmp_path)]
     run(args, timeout=900)
     root = tmp_path / "drift-tiny"
@@ -259,7 +330,7 @@ def test_compare_estimators_drift_study_arms_run_and_correct_as_documented(tmp_p
 def test_compare_estimators_noise_study_arms_run_and_perturb_only_training(tmp_path):
     """Study 1 at 2 steps: GRPO with batch scaling and REINFORCE++ (deferred returns) under reward noise, and
     REINFORCE++-baseline with the format bonus; the mechanism metric is logged, held-out scores see no noise."""
-    base = ["benchmarks/compare_estimators.py", "--study", "noise", "--tiny", "--seeds", "0", "--steps", "2",
+    base = ["benchmarks/studies/compare_estimators.py", "--study", "noise", "--tiny", "--seeds", "0", "--steps", "2",
             "--heldout", "16", "--threads", "1", "--jobs", "2", "--out", str(tmp_path)]
     run(base + ["--conditions", "sigma0.3", "--arms", "grpo_batch,rpp"], timeout=900)
     run(base + ["--conditions", "format0.1", "--arms", "rpp_baseline"], timeout=900)
@@ -283,7 +354,7 @@ def test_compare_estimators_noise_study_arms_run_and_perturb_only_training(tmp_p
 def test_tied_group_adv_share_by_hand():
     import torch
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "studies"))
     from compare_estimators import perturbed_reward, tied_group_adv_share, tied_group_rows
 
     tied = tied_group_rows(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2)
@@ -303,7 +374,7 @@ def test_tied_group_adv_share_by_hand():
 
 
 def test_unpaired_interval_is_welch_by_hand():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "studies"))
     from compare_estimators import unpaired_interval
 
     # a = [1, 3]: mean 2, variance 2, so se = sqrt(2/2 + 0/3) = 1; Welch's df = 1^2 / (1^2 / 1) = 1, t = 12.706.
@@ -317,7 +388,7 @@ def test_unpaired_interval_is_welch_by_hand():
 
 
 def test_t_interval_uses_the_exact_quantile_past_its_table():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "studies"))
     from compare_estimators import t_interval
 
     # 20 values 0, 1, 0, 1, ...: mean 0.5, std sqrt(5/19); t(0.975, 19) = 2.0930 (not 1.96).
@@ -361,14 +432,14 @@ def restored_threads():
 
 @pytest.mark.slow
 def test_truncation_study_arms_apply_what_they_say(tmp_path, tiny_model, restored_threads, capsys):
-    """Study 5 (benchmarks/truncation_study.py) at 2 steps, every arm in this process: on the first, on-policy step
-    at top_k=6, the replay makes TRL's token weights 1 (to 1e-5), without it they are the trainer's kept mass
+    """Study 5 (benchmarks/studies/truncation_study.py) at 2 steps, every arm in this process: on the first, on-policy
+    step at top_k=6, the replay makes TRL's token weights 1 (to 1e-5), without it they are the trainer's kept mass
     pi_old(S) < 1, token_mask at [0.5, 3] drops every token (the mass is below 0.5), and the arms without a
     correction apply none. Then the sweep resumes (skips every finished run) and `--report` reads the files."""
     import argparse
     import shutil
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "studies"))
     import truncation_study as ts
 
     shutil.copytree(tiny_model, tmp_path / "tiny-model")
@@ -397,7 +468,7 @@ def test_truncation_study_arms_apply_what_they_say(tmp_path, tiny_model, restore
     ts.sweep(opts)
     out = capsys.readouterr().out
     assert out.count("done earlier, skipped") == len(ts.ARMS) and "running" not in out
-    run(["benchmarks/truncation_study.py", "--report", "--out", str(tmp_path)])
+    run(["benchmarks/studies/truncation_study.py", "--report", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report["arms"]) == set(ts.ARMS)
     assert report["arms"]["full_tis"]["is_weight_step1"] == pytest.approx(report["arms"]["full_tis"]["kept_mass_step1"], abs=1e-5)

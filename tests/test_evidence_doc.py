@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "compare_estimators"
 STUDY4 = REPO / "benchmarks" / "results" / "mismatch_study" / "report.json"
 STUDY5 = REPO / "benchmarks" / "results" / "truncation_study" / "report.json"  # one condition, study 4's layout
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "studies"))
 
 import mismatch_study  # noqa: E402
 NUMBER = r"[−+-]?\d+\.\d+"

@@ -1,6 +1,6 @@
-"""benchmarks/mismatch_study.py (docs/evidence.md, study 4): its pure functions by hand and against plain-loop float64
-references, the sampler of each mismatch source, the exactness of full-vocabulary score centering under a fixed bias,
-and every arm and source for 2 steps on the tiny model."""
+"""benchmarks/studies/mismatch_study.py (docs/evidence.md, study 4): its pure functions by hand and against
+plain-loop float64 references, the sampler of each mismatch source, the exactness of full-vocabulary score centering
+under a fixed bias, and every arm and source for 2 steps on the tiny model."""
 
 import argparse
 import itertools
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "studies"))
 
 import mismatch_study as ms  # noqa: E402
 

@@ -1,10 +1,10 @@
 """Equal-budget comparison: REINFORCE++, REINFORCE++-baseline and trl.GRPOTrainer (docs/evidence.md).
 
-    python benchmarks/compare_estimators.py                       # 5 seeds x 4 arms, resumable
-    python benchmarks/compare_estimators.py --seeds 0 --steps 2 --tiny --out /tmp/cmp   # smoke run
-    python benchmarks/compare_estimators.py --study noise --tiny  # study 1 (and 3) on the tiny model
-    python benchmarks/compare_estimators.py --study drift         # study 2: long-horizon sampler drift, tiny model
-    python benchmarks/compare_estimators.py --report              # every table and figure from the result files
+    python benchmarks/studies/compare_estimators.py                       # 5 seeds x 4 arms, resumable
+    python benchmarks/studies/compare_estimators.py --seeds 0 --steps 2 --tiny --out /tmp/cmp   # smoke run
+    python benchmarks/studies/compare_estimators.py --study noise --tiny  # study 1 (and 3) on the tiny model
+    python benchmarks/studies/compare_estimators.py --study drift         # study 2: sampler drift, tiny model
+    python benchmarks/studies/compare_estimators.py --report              # every table and figure from the results
 
 Arms (same prompts per step, generations per prompt, steps, learning rate, adapter and seeds):
 
@@ -30,9 +30,10 @@ Every (arm, seed) runs in its own process, so each has its own peak RSS, and the
 for each seed so that machine load hits them alike (`--jobs 2` runs two at once, each on `--threads` threads). A
 run that finished left `summary.json` in its directory and is skipped when the sweep is started again, so a long
 sweep can run in pieces. Raw per-step metrics (the trainer's log history) are in `metrics.jsonl` next to it.
-`--report` writes the figures, the 16-step tables' `report.json`/`report.md` and the studies' `studies.json`/
-`studies.md` that docs/evidence.md is written from, and `<out>/runs.parquet`, what they read of every run
-(`run_table`): where the runs' own files are absent, as in the repository, the report reads that table.
+`--report` writes the 16-step tables' `report.json`/`report.md` and the studies' `studies.json`/`studies.md` that
+docs/evidence.md is written from, and `<out>/runs.parquet`, what they read of every run (`run_table`): where the runs'
+own files are absent, as in the repository, the report reads that table. The figures (`evidence_*.png`) go to
+`--figures` only: docs/figures, where docs/evidence.md links them, for the default `--out`; else `<out>/figures`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ import os
 import random
 import re
 import resource
-import shutil
 import sys
 import time
 
@@ -65,6 +65,7 @@ NOISE_CONDITIONS = {
     "format0.1": dict(reward_noise=0.0, format_bonus=0.1),
 }
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository: benchmarks/studies/ is two below it
 # Chosen from the pilot runs of docs/evidence.md (study 1 on the tiny model; study 2's bias sweep).
 STUDY1_TINY_STEPS, STUDY1_TINY_LR = 150, 3e-3
 STUDY2_STEPS, STUDY2_LR, STUDY2_SIGMA = 300, 3e-3, 2.0
@@ -241,7 +242,7 @@ def run_one(arm, seed, opts):
 
     os.environ.setdefault("WANDB_MODE", "disabled")
     torch.set_num_threads(opts.threads)
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
     import demo  # the main job's reward and greedy evaluation
     from datasets import Dataset
     from peft import LoraConfig
@@ -414,7 +415,7 @@ def t_interval(values):
 def unpaired_interval(a, b):
     """Welch's unpaired difference ``mean(a) - mean(b)`` as (diff, standard error, 95% half-width), or None with
     fewer than 2 values on a side. Runs that share a seed diverge within a few steps, so seeds are not pairs."""
-    from mismatch_study import welch_interval  # benchmarks/ is on sys.path when a script runs
+    from mismatch_study import welch_interval  # benchmarks/studies/ is on sys.path when a script runs
 
     if len(a) < 2 or len(b) < 2:
         return None
@@ -641,19 +642,21 @@ def report_main(opts, study=None):
     print(_markdown(out))
     if getattr(opts, "no_figures", False):
         return
+    os.makedirs(opts.figures, exist_ok=True)  # docs/figures, where the pages link them, for the committed results
     if arms:
         _plot(runs, ARMS, opts.seeds, [
             ("reward", "training reward"), ("completions/mean_length", "completion length"),
             ("grad_norm", "gradient norm"), ("frac_reward_zero_std", "fraction of zero-variance groups"),
             ("advantages/std", "normalized-advantage std (RPP arms)"), ("ref_kl/k1_mean", "k1 KL to reference (rpp)"),
             ("kl_loss", "k2 KL loss to reference (rpp_baseline)"),
-        ], os.path.join(opts.out, "curves.png"), "equal-budget comparison")
+        ], os.path.join(opts.figures, "evidence_curves.png"), "equal-budget comparison")
     if mismatch:
         _plot(runs, mm_arms, mm_seeds, [
             ("reward", "training reward"), ("mismatch/abs_log_ratio_mean", "mean |log p_old - log q| per token"),
             ("kl_loss", "k2 KL loss to reference"), ("grad_norm", "gradient norm"),
             ("completions/mean_length", "completion length"), ("mismatch/is_masked_fraction", "TIS: masked sequences"),
-        ], os.path.join(opts.out, "mismatch_curves.png"), f"sampler = trainer + fixed logit bias (sigma={opts.mismatch_sigma})")
+        ], os.path.join(opts.figures, "evidence_mismatch_curves.png"),
+            f"sampler = trainer + fixed logit bias (sigma={opts.mismatch_sigma})")
 
 
 def _paired(runs, arm, control, seeds, key):
@@ -927,11 +930,7 @@ def report(opts):
     """Every table and figure: the main 16-step tables under `--root`, then each study found under it. Writes
     `<root>/studies.json` and `<root>/studies.md` (what docs/evidence.md copies) and the figures to `--figures`."""
     study = load_study(opts.root)
-    report_main(opts, study)
-    os.makedirs(opts.figures, exist_ok=True)
-    for name, target in (("curves.png", "evidence_curves.png"), ("mismatch_curves.png", "evidence_mismatch_curves.png")):
-        if os.path.exists(os.path.join(opts.root, name)) and not getattr(opts, "no_figures", False):
-            shutil.copyfile(os.path.join(opts.root, name), os.path.join(opts.figures, target))
+    report_main(opts, study)  # also makes the figures' directory, which the studies' figures go to as well
     studies = {f"noise-{m}": report_noise(opts, m, study) for m in ("tiny", "smollm2")}
     studies["drift-tiny"] = report_drift(opts, study)
     studies = {k: v for k, v in studies.items() if v is not None}

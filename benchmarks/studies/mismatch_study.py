@@ -1,8 +1,9 @@
 """Study 4: score centering where its mechanism can act (docs/evidence.md, "Study 4").
 
-    python benchmarks/mismatch_study.py --jobs 2 --threads 1               # the planned sweep, resumable
-    python benchmarks/mismatch_study.py --conditions stale8 --arms uncorrected,sc32 --seeds 0 --steps 4 --out /tmp/m
-    python benchmarks/mismatch_study.py --report                          # tables and figures from the result files
+    python benchmarks/studies/mismatch_study.py --jobs 2 --threads 1     # the planned sweep, resumable
+    python benchmarks/studies/mismatch_study.py --conditions stale8 --arms uncorrected,sc32 --seeds 0 --steps 4 \
+        --out /tmp/m                                                     # a smoke run
+    python benchmarks/studies/mismatch_study.py --report                 # tables and figures from the result files
 
 REINFORCE++-baseline (no KL loss: a pure policy gradient) on the tiny random-init model of `trl_rpp.testing.tiny`,
 every weight trained, on a task where prefixes differ within a group and later tokens carry reward (`copy_rows`,

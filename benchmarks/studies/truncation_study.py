@@ -1,18 +1,19 @@
 """Study 5: what replaying a truncating sampler's kept set recovers (issue #35; docs/sampling.md).
 
-    python benchmarks/truncation_study.py --jobs 2 --threads 1          # the main sweep (20 seeds x 6 arms), resumable
-    python benchmarks/truncation_study.py --seeds 100,101 --out benchmarks/results/truncation_study/pilot  # a pilot
-    python benchmarks/truncation_study.py --report                      # report.md and report.json from the files
+    python benchmarks/studies/truncation_study.py --jobs 2 --threads 1   # the main sweep (20 seeds x 6 arms), resumable
+    python benchmarks/studies/truncation_study.py --seeds 100,101 \
+        --out benchmarks/results/truncation_study/pilot                 # a pilot
+    python benchmarks/studies/truncation_study.py --report               # report.md and report.json from the files
 
 The hypotheses, the decision rule and the analysis were committed before any main run:
 `benchmarks/results/truncation_study/HYPOTHESES.md`.
 
-Setting: study 4's (benchmarks/mismatch_study.py): REINFORCE++-baseline without a KL loss (a pure policy gradient) on
-the tiny random-init model of `trl_rpp.testing.tiny`, every weight trained, on the multi-position copy task with
-per-position credit (`copy_rows`, `copy_credit_reward`). Here the sampler *is* the trainer, on policy (one optimizer
-step per generation batch), truncated by `top_k` (transformers' `generate`, temperature 1): each token is drawn from
-``q_S = q / q(S)`` over the kept set ``S``. The only thing that differs between arms is how the trainer reads that
-sampler:
+Setting: study 4's (benchmarks/studies/mismatch_study.py): REINFORCE++-baseline without a KL loss (a pure policy
+gradient) on the tiny random-init model of `trl_rpp.testing.tiny`, every weight trained, on the multi-position copy
+task with per-position credit (`copy_rows`, `copy_credit_reward`). Here the sampler *is* the trainer, on policy (one
+optimizer step per generation batch), truncated by `top_k` (transformers' `generate`, temperature 1): each token is
+drawn from ``q_S = q / q(S)`` over the kept set ``S``. The only thing that differs between arms is how the trainer
+reads that sampler:
 
 - `replay_sampler_support=True` (the `replay*` arms, the library's default): every log-prob of a sampled token is
   ``log pi(y | S)``, so TRL's importance-sampling ratio ``pi_old(y | S) / q_S(y)`` is 1 on policy;
