@@ -564,7 +564,7 @@ def test_a_server_that_stops_answering_fails_the_call_within_the_time_limit(vllm
     # A first request warms the server up unguarded: on a loaded 2-core machine it can outlast a short limit.
     VLLMClient(base_url=vllm_server.base_url).generate(prompts=[[3, 4, 5]], n=1, max_tokens=4)
     client, faults, eos = VLLMClient(base_url=vllm_server.base_url), EngineFaults(), 2
-    guard_client(client, faults, eos, timeout=LIMIT_S)
+    guard_client(client, lambda: faults, eos, timeout=LIMIT_S)
     prompts = [[3, 4, 5], [6, 7]]
     answered = client.generate(prompts=prompts, n=2, max_tokens=4)
     assert len(answered["completion_ids"]) == 4 and faults.failure is None

@@ -302,11 +302,25 @@ def topk_trainer(engine):
     from trl_rpp.faults.engine import EngineFaults
 
     trainer = object.__new__(RPPTrainer)
-    trainer.use_vllm, trainer._rpp_width, trainer._rpp_engine_faults = True, 2, EngineFaults()
-    trainer.vllm_generation, trainer.eos_token_ids, trainer._rpp_captures = engine, [0], []
+    trainer.use_vllm, trainer._rpp_width = True, 2
+    trainer.vllm_generation, trainer.eos_token_ids = engine, [0]
     trainer.state, trainer._last_loaded_step = NS(global_step=1), 0
     trainer.args, trainer.accelerator = NS(report_to=[]), NS(is_main_process=True)
     return trainer
+
+
+def generate_in_a_batch(trainer, prompts):
+    """`_generate_single_turn` inside a generation batch's record, as `RPPTrainer._sample` runs it: its output and
+    the record."""
+    from trl_rpp.faults.engine import EngineFaults
+    from trl_rpp.records.generation import GenerationRecord, recording
+
+    with recording(GenerationRecord(engine_faults=EngineFaults())) as record:
+        try:
+            return trainer._generate_single_turn(prompts, None, None, 1), record
+        except ValueError as err:
+            err.record = record
+            raise
 
 
 def test_a_parsing_error_is_not_reported_as_the_engines_failure():
@@ -315,17 +329,18 @@ def test_a_parsing_error_is_not_reported_as_the_engines_failure():
     prompts = [[5, 6]]
     answer = (prompts, [[7, 8]], [[[-0.1, -2.0], [-0.3, -1.5]]], [[[7, 3], [4, 3]]])  # token 8 is not in its list
     trainer = topk_trainer(AnsweringEngine(answer))
-    with pytest.raises(ValueError, match="position 1 do not include the sampled token 8"):
-        trainer._generate_single_turn(prompts, None, None, 1)
-    assert trainer._rpp_engine_faults.failure is None and trainer.vllm_generation.synced == 1
+    with pytest.raises(ValueError, match="position 1 do not include the sampled token 8") as raised:
+        generate_in_a_batch(trainer, prompts)
+    assert raised.value.record.engine_faults.failure is None and trainer.vllm_generation.synced == 1
 
     fixed = (prompts, [[7, 3]], answer[2], answer[3])  # the same lists, well-formed: parsed, nothing recorded
     trainer = topk_trainer(AnsweringEngine(fixed))
-    completion_ids, sampled = trainer._generate_single_turn(prompts, None, None, 1)
-    assert completion_ids == [[7, 3]] and sampled == [[-0.1, -1.5]] and len(trainer._rpp_captures) == 1
-    assert trainer._rpp_engine_faults.failure is None
+    (completion_ids, sampled), record = generate_in_a_batch(trainer, prompts)
+    assert completion_ids == [[7, 3]] and sampled == [[-0.1, -1.5]] and len(record.captures) == 1
+    assert record.engine_faults.failure is None
 
     died = RuntimeError("the engine died")  # the engine's own failure: one EOS per prompt, kept for settle
     trainer = topk_trainer(AnsweringEngine(died))
-    assert trainer._generate_single_turn(prompts, None, None, 1) == ([[0]], [[0.0]])
-    assert trainer._rpp_engine_faults.failure is died and trainer._rpp_captures == []
+    out, record = generate_in_a_batch(trainer, prompts)
+    assert out == ([[0]], [[0.0]])
+    assert record.engine_faults.failure is died and record.captures == []

@@ -35,6 +35,7 @@ from trainer_helpers import (  # noqa: E402
     IS_MODES, IS_STEPS_PER_MODE, CaptureTrainer, finish_launched, length_reward,
 )
 from trl_rpp import RPPConfig  # noqa: E402
+from trl_rpp.records.generation import current_record  # noqa: E402
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset  # noqa: E402
 
 PROBE_TEXT = "abc:abcdefgh"  # a fixed sequence whose log-probs engine and trainer both compute
@@ -109,7 +110,8 @@ class ProbingTrainer(CaptureTrainer):
     def _probe_topk(self, prompt_ids, completion_ids):
         """The engine's head (parsed by `parse_vllm_topk`) next to the trainer's full distribution at the same
         weights, at every generated position."""
-        ids, head, sampled = self._rpp_captures[-1].tensors(max(len(c) for c in completion_ids))  # this call's
+        record = current_record("the top-k probe")  # the batch being sampled: its last capture is this call's
+        ids, head, sampled = record.captures[-1].tensors(max(len(c) for c in completion_ids))
         k = self.args.score_centering_top_k
         for b, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
             seq = list(prompt) + list(completion)
@@ -135,6 +137,26 @@ class ProbingTrainer(CaptureTrainer):
             "importance_sampling_ratio": w,
         }))
         return loss
+
+
+class SampleAheadTrainer(ProbingTrainer):
+    """Samples one more generation batch (`_sample`) right after GRPO's `_generate` of each batch, before GRPO's
+    forwards and rewards read the batch's own record (tests/test_generation_record.py, on the engine). The random
+    state is put back afterwards, so that GRPO shuffles the batch into the same micro-batches as a run without it."""
+
+    def __init__(self, *a, ahead=True, **kw):
+        super().__init__(*a, **kw)
+        self.ahead, self.sampled_ahead = ahead, 0
+
+    def _generate(self, prompts):
+        out = super()._generate(prompts)
+        if self.ahead:
+            state = torch.get_rng_state()
+            ahead = self._sample(prompts)
+            torch.set_rng_state(state)
+            self.sampled_ahead += 1
+            self.ahead_completions = ahead.output[1]
+        return out
 
 
 def sampler_logps_recorder(trainer):
@@ -182,6 +204,13 @@ SINGLE = {
            ("replay_top_k", "reinforce_plus_plus_baseline", dict(top_k=6, score_centering=True, score_centering_top_k=6)),
            ("replay_top_p", "reinforce_plus_plus", dict(top_k=46, top_p=0.5)),
            ("full_top_k", "reinforce_plus_plus", dict(top_k=6, replay_sampler_support=False)))},
+    # A batch sampled while another is scored (SampleAheadTrainer), and the same batch made alone: top_k=6 replayed
+    # with score centering, pi_old computed at generation over the record's kept sets.
+    **{name: ("reinforce_plus_plus", dict(vllm_dtype="float32", max_steps=1, steps_per_generation=2,
+                                          gradient_accumulation_steps=2, per_device_train_batch_size=4, top_k=6,
+                                          score_centering=True, score_centering_top_k=6,
+                                          vllm_importance_sampling_mode="token_truncate"), False)
+       for name in ("sample_ahead", "sample_alone")},
     # Faults and resume (docs/robustness.md): the engine raises at step 3 (a prompt longer than its context);
     # a run resumed from checkpoint-2 generates its first batch with the resumed weights.
     "engine_fails": ("reinforce_plus_plus_baseline", dict(vllm_dtype="float32", max_steps=4, save_strategy="steps",
@@ -222,9 +251,10 @@ def make_config(outdir, name, estimator, overrides, zero3=False):
     return RPPConfig(**base)
 
 
-def probing_trainer(model_path, args, initial_probe, train_dataset=None, **kwargs):
-    """The cases' `ProbingTrainer`: both rewards, on 64 copy-task prompts unless `train_dataset` is given."""
-    return ProbingTrainer(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
+def probing_trainer(model_path, args, initial_probe, train_dataset=None, trainer_class=None, **kwargs):
+    """The cases' `ProbingTrainer` (or `trainer_class`): both rewards, on 64 copy-task prompts unless `train_dataset`
+    is given."""
+    return (trainer_class or ProbingTrainer)(model=model_path, reward_funcs=[copy_first_char_reward, length_reward], args=args,
                           train_dataset=copy_task_dataset(64, seed=1) if train_dataset is None else train_dataset,
                           initial_probe=initial_probe, **kwargs)
 
@@ -332,9 +362,10 @@ def run_case(outdir, model_path, name, spec, initial_probe, zero3=False):
     args = make_config(outdir, name, estimator, overrides, zero3)
     peft = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0) if lora else None
     fails = name.endswith("engine_fails")
+    ahead = {"trainer_class": SampleAheadTrainer, "ahead": name == "sample_ahead"} if name.startswith("sample_") else {}
     trainer = probing_trainer(model_path, args, initial_probe, peft_config=peft,
                               train_dataset=failing_dataset(args.world_size) if fails else None,
-                              cycle_is_modes=name.startswith("is_reinforce"))
+                              cycle_is_modes=name.startswith("is_reinforce"), **ahead)
     sampler_logps_recorder(trainer)
     failure = train_until_the_engine_fails(trainer) if fails else trainer.train()
     engine = trainer.vllm_generation.llm.llm_engine
@@ -355,12 +386,16 @@ def run_case(outdir, model_path, name, spec, initial_probe, zero3=False):
         "batches": tensors_to_lists([
             {k: b[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
                                "old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio",
-                               "sampler_support_ids", "sampler_per_token_logps") if b.get(k) is not None}
+                               "sampler_support_ids", "sampler_per_token_logps", "sampler_head_ids",
+                               "sampler_head_logps") if b.get(k) is not None}
             for b in trainer.generation_batches
         ]),
     }
     if fails:
         result["failure"] = failure
+    if ahead:
+        result["sampled_ahead"] = trainer.sampled_ahead
+        result["ahead_completions"] = getattr(trainer, "ahead_completions", None)
     if hasattr(engine.model_config, "logprobs_mode"):
         result["facts"]["logprobs_mode"] = str(engine.model_config.logprobs_mode)
     if "zero3" in name:

@@ -34,6 +34,7 @@ import vllm_engine_script as colocated  # noqa: E402
 from trainer_helpers import LAUNCH_ENV, finish_launched, launch_command, length_reward  # noqa: E402
 from vllm_engine_script import PROBE_TEXT, ProbingTrainer, policy_logps, tensors_to_lists  # noqa: E402
 
+from trl_rpp.records.generation import current_record  # noqa: E402
 DDP_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                           "accelerate_configs", "ddp.yaml")
 REFUSED_TIMEOUT_S = 240  # a process left waiting at a collective fails the test instead of blocking CI
@@ -53,7 +54,7 @@ class ServerProbingTrainer(ProbingTrainer):
     """`ProbingTrainer` whose engine probe asks the server (every process may ask it)."""
 
     def _probe_sync(self):
-        if self._rpp_engine_faults.failure is not None:  # the sync or the generation failed: nothing to probe
+        if current_record("the server probe").engine_faults.failure is not None:  # the sync or generation failed
             return
         engine = server_logps(self.args.vllm_server_base_url, self.probe_ids)
         with self.full_policy() as model:

@@ -12,20 +12,26 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
                                        then GRPO's, under the preemption signal handlers (`faults.preemption`)
     _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step
     -- once per generation batch (GRPO's `_prepare_inputs`) --
-    _generate_and_score_completions    GRPO's inside `borrowed_beta` (reference log-probs), which calls:
-        _generate                      the sampler record (score centering's top-k, or a truncating sampler's kept
-                                       sets and log q_S), per call (or a rollout_func's lists), aligned to the model
-                                       tokens of the final completions (`records.multi_turn`) -> self._rpp_capture;
-                                       with replay, the kept ids [B, T, K]                   -> self._rpp_support
-          _generate_single_turn        once per turn (the tool loop calls it again): the record -> self._rpp_captures;
-                                       with vLLM, an engine failure        -> self._rpp_engine_faults, raised on
-                                       every process right after GRPO's `_generate` (`faults.engine`)
+    _generate_and_score_completions    GRPO's inside `borrowed_beta` (reference log-probs) and inside `recording`:
+                                       the batch's `GenerationRecord` (`records.generation`) is the context's
+                                       current record, never a trainer attribute, while GRPO calls:
+        _generate                      `_sample`s the batch, makes its record the current one (`use_record`), and
+                                       logs `sampling/tie_overflow`
+          _sample                      GRPO's `_generate` under a record of its own: the sampler record (score
+                                       centering's top-k, or a truncating sampler's kept sets and log q_S), per
+                                       call (or a rollout_func's lists), aligned to the model tokens of the final
+                                       completions (`records.multi_turn`)               -> record.topk; with replay,
+                                       the kept ids [B, T, K]                           -> record.support
+            _generate_single_turn      once per turn (the tool loop calls it again)     -> record.captures; with
+                                       vLLM, an engine failure -> record.engine_faults, raised on every process
+                                       right after GRPO's `_generate` (`faults.engine`)
         _get_per_token_logps_and_entropies   GRPO's pi_old and reference forwards: with replay, log pi(y | S_t)
-                                       over self._rpp_support (`records.replay`), so TRL's IS ratio is exact; with
+                                       over record.support (`records.replay`), so TRL's IS ratio is exact; with
                                        a LoRA adapter on the head, the full softmax read from the head in tiles
-        _calculate_rewards             raw rewards [B_global, n_reward_funcs]      -> self._rpp_rewards_per_func
-      then turns the raw rewards into the batch keys below (`trl_rpp.batch`): `_reinforce_pp_advantages` (after a
-      pi_old forward when k1 shaping needs one), or the group baseline; metrics by `trl_rpp.metrics`
+        _calculate_rewards             raw rewards [B_global, n_reward_funcs]           -> record.rewards_per_func
+      then turns the record into batch keys and the raw rewards into the advantages (`trl_rpp.batch`):
+      `_reinforce_pp_advantages` (after a pi_old forward when k1 shaping needs one), or the group baseline; metrics
+      by `trl_rpp.metrics`
     -- once per micro-batch --
     _compute_loss                      `_policy_forward`, `_loss_advantages`, `_policy_loss`, `_kl_loss`, metrics
                                        (whose gather carries the preemption flag)
@@ -71,6 +77,7 @@ from .metrics import warn_empty_batch
 from .model_card import REINFORCE_PP_PAPER, build_model_card
 from .patches import borrowed_beta, request_logprobs, vllm_engine_args, without_nccl_group
 from .records.capture import SamplerSupportCapture, SamplerTopKCapture, capturing_generate
+from .records.generation import Generation, GenerationRecord, current_record, recording, use_record
 from .records.head import has_lora_head, install_head_reader, lora_head_allowed
 from .records.multi_turn import install_rollout_checks, sampler_topk_of_generation
 from .records.replay import head_is_whole_support, head_logps, kept_sets_of_generation, replayed_logps
@@ -186,10 +193,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         use_weight_sync(self, disk_sync)  # a CPU engine, or a server through a directory, needs its own (trl_rpp.engines)
         if self._rpp_width and args.use_vllm:
             request_logprobs(self.vllm_generation, self._rpp_width)
-        self._rpp_rewards_per_func = None
-        self._rpp_capture, self._rpp_captures, self._rpp_support = None, [], None
-        self._rpp_engine_faults = EngineFaults()  # a vLLM engine that raises (trl_rpp.faults.engine)
-        guard_server_client(self, self._rpp_engine_faults)  # vLLM server mode (trl_rpp.faults.engine)
+        # vLLM server mode: a failed call is kept in the faults of the batch being generated (trl_rpp.faults.engine)
+        guard_server_client(self, lambda: current_record("the vLLM server's answer").engine_faults)
         if self._rpp_width:
             users = [name for name, on in (("score_centering=True", args.score_centering),
                                            ("a replayed truncating sampler", bound is not None)) if on]
@@ -239,17 +244,21 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             rewards_per_func = check_module_rewards(
                 rewards_per_func, module_columns, self.reward_func_names, self.args.nonfinite_rewards
             )
-        self._rpp_rewards_per_func = rewards_per_func
+        current_record("scoring the completions").rewards_per_func = rewards_per_func
         return rewards_per_func
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
         parent = super()._generate_single_turn
+        record = current_record("a generate call")
         if self.use_vllm:  # a failure is settled across processes after `_generate` (trl_rpp.faults.engine)
             if self._rpp_width:  # the kept set or top-k lists, and the sampled token's log-prob selected by id
-                return generate_vllm_with_topk(self, prompt_ids, images, num_generations, self._rpp_width,
-                                               self._rpp_engine_faults)  # only the engine's calls are guarded
+                completion_ids, sampled, recorded = generate_vllm_with_topk(
+                    self, prompt_ids, images, num_generations, self._rpp_width, record.engine_faults)
+                if recorded is not None:  # only the engine's calls are guarded
+                    record.captures.append(recorded)
+                return completion_ids, sampled
             generate = lambda: parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)  # noqa: E731
-            return self._rpp_engine_faults.guard(self, generate, prompt_ids)
+            return record.engine_faults.guard(self, generate, prompt_ids)
         if not self._rpp_width:
             return parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
         if self._rpp_bound:  # the kept set and log q_S, after every warper
@@ -259,24 +268,35 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         model = self.accelerator.unwrap_model(self.model_wrapped)
         with capturing_generate(model, capture, last=self._rpp_bound is not None):
             out = parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
-        self._rpp_captures.append(capture)
+        record.captures.append(capture)
         return out
 
+    def _sample(self, prompts) -> Generation:
+        """One generation batch sampled, not scored: TRL's `_generate` under a record of its own, which the sampler
+        fills (`records.generation`). A failed engine raises here, on every process (`faults.engine`)."""
+        with recording(GenerationRecord(engine_faults=EngineFaults() if self.use_vllm else None)) as record:
+            generated = super()._generate(prompts)
+            if self.use_vllm:
+                record.engine_faults.settle(self)
+            if self._rpp_width:  # each model token's record (tool loop or rollout_func: `records.multi_turn`)
+                generated, record.topk = sampler_topk_of_generation(
+                    generated, record.captures, self._rpp_width, self.rollout_func is not None, bool(self.tools))
+            if self._rpp_bound:  # the kept sets, read by GRPO's old and reference forwards
+                engine = self.use_vllm or self.rollout_func is not None
+                generated, record.support, record.tie_overflow = kept_sets_of_generation(
+                    generated, record.topk, record.captures, engine, self._rpp_vocab, self.accelerator.device)
+        return Generation(generated, record)
+
     def _generate(self, prompts):
-        self._rpp_captures = []  # one per `generate` call: the first turn, then each tool-loop iteration
-        generated = super()._generate(prompts)
-        if self.use_vllm:
-            self._rpp_engine_faults.settle(self)  # a failed engine raises here, on every process
-        captures = self._rpp_captures  # transformers' captures count the kept sets they cut to the record
-        if self._rpp_width:  # each model token's record (tool loop or rollout_func: `records.multi_turn`)
-            generated, self._rpp_capture = sampler_topk_of_generation(self, generated, self._rpp_width)
-        if self._rpp_bound:  # the kept sets, read by GRPO's old and reference forwards that follow
-            engine = self.use_vllm or self.rollout_func is not None
-            generated, self._rpp_support, overflow = kept_sets_of_generation(
-                generated, self._rpp_capture, captures, engine, self._rpp_vocab, self.accelerator.device)
-            overflow = self.accelerator.gather(torch.tensor([overflow], device=self.accelerator.device)).sum().item()
+        """GRPO's generation, inside `_generate_and_score_completions`: the batch is sampled (`_sample`), and its
+        record becomes the one the scoring that follows reads and adds to."""
+        generation = self._sample(prompts)
+        use_record(generation.record)
+        if self._rpp_bound:
+            acc = self.accelerator
+            overflow = acc.gather(torch.tensor([generation.record.tie_overflow], device=acc.device)).sum().item()
             self._metrics["train" if self.model.training else "eval"]["sampling/tie_overflow"].append(overflow)
-        return generated
+        return generation.output
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **forward):
@@ -291,10 +311,9 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **forward
             )
-        if self._rpp_support is None:
-            raise RuntimeError("replay_sampler_support: a log-prob forward outside a generation batch has no kept sets")
-        return self._replayed_logps(model, input_ids, attention_mask, logits_to_keep, self._rpp_support,
-                                    batch_size, compute_entropy, forward)
+        support = current_record("replay_sampler_support: a log-prob forward of GRPO's").support
+        return self._replayed_logps(model, input_ids, attention_mask, logits_to_keep, support, batch_size,
+                                    compute_entropy, forward)
 
     def _replayed_logps(self, model, input_ids, attention_mask, logits_to_keep, support, batch_size, entropy, forward):
         return replayed_logps(model, input_ids, attention_mask, logits_to_keep, support, self.temperature,
@@ -312,20 +331,18 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         return self._get_per_token_logps_and_entropies(model, input_ids, attention_mask, T, **forward, **extra)
 
     def _generate_and_score_completions(self, inputs):
-        try:
-            with borrowed_beta(self, self._rpp_needs_ref):
-                batch = super()._generate_and_score_completions(inputs)
-        finally:
-            support, self._rpp_support = self._rpp_support, None
+        # The batch's record (`records.generation`): made by `_generate`, read by GRPO's forwards, then batch keys.
+        with recording() as record, borrowed_beta(self, self._rpp_needs_ref):
+            batch = super()._generate_and_score_completions(inputs)
+            record = current_record("scoring the completions")  # `_generate` made it the sampled batch's
         mode = "train" if self.model.training else "eval"
         if self._rpp_width:  # the head: the top-k, or the kept set's first k ids
-            capture, self._rpp_capture = self._rpp_capture, None
             head = min(self.args.score_centering_top_k, self._rpp_width) if self.args.score_centering else 0
-            batch.update(sampler_batch_keys(capture, support if self._rpp_bound else None,
-                                            batch["completion_ids"].size(1), batch["completion_ids"].device, head))
+            batch.update(sampler_batch_keys(record.topk, record.support, batch["completion_ids"].size(1),
+                                            batch["completion_ids"].device, head))
 
         # Raw rewards as GRPO sums them; rows that no reward function scored are "unscorable".
-        rewards_per_func, self._rpp_rewards_per_func = self._rpp_rewards_per_func, None
+        rewards_per_func = record.rewards_per_func
         scorable = ~torch.isnan(rewards_per_func).all(dim=1)
         rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
         local_B = batch["completion_ids"].size(0)

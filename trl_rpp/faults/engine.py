@@ -99,21 +99,23 @@ def first_eos(trainer) -> int:
     return trainer.eos_token_ids[0] if isinstance(trainer.eos_token_ids, (list, tuple)) else trainer.eos_token_ids
 
 
-def guard_server_client(trainer, faults: EngineFaults):
+def guard_server_client(trainer, faults):
     """In vLLM server mode, on process 0 (TRL's only client): `guard_client` on TRL's `VLLMClient`, with the config's
-    `vllm_server_request_timeout`."""
+    `vllm_server_request_timeout`. `faults()` gives the `EngineFaults` of the batch being generated. It takes TRL's
+    trainer for its client, which TRL builds on process 0 alone."""
     args = trainer.args
     if args.use_vllm and args.vllm_mode == "server" and trainer.accelerator.is_main_process:
         guard_client(trainer.vllm_generation.vllm_client, faults, first_eos(trainer), args.vllm_server_request_timeout)
 
 
-def guard_client(client, faults: EngineFaults, eos: int, timeout: float | None):
+def guard_client(client, faults, eos: int, timeout: float | None):
     """A `VLLMClient` that answers a failed `generate` with one `eos` per completion (log-prob 0), keeping the failure
-    in `faults` for `EngineFaults.settle`, so that process 0 reaches TRL's broadcast; each request waits at most
-    `timeout` seconds (None: no limit), and a read that timed out is not resent (`trl_rpp.patches.guard_server_client`)."""
+    in `faults()` (the `EngineFaults` of the batch being generated) for `EngineFaults.settle`, so that process 0
+    reaches TRL's broadcast; each request waits at most `timeout` seconds (None: no limit), and a read that timed out
+    is not resent (`trl_rpp.patches.guard_server_client`)."""
 
     def failed_answer(err, prompts, n):
-        faults.record(err)
+        faults().record(err)
         m = len(prompts) * n
         return {"prompt_ids": [list(p) for p in prompts], "completion_ids": [[eos] for _ in range(m)],
                 "logprobs": [[[0.0]] for _ in range(m)], "logprob_token_ids": [[[eos]] for _ in range(m)]}
@@ -122,9 +124,10 @@ def guard_client(client, faults: EngineFaults, eos: int, timeout: float | None):
 
 
 def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations, k, faults):
-    """GRPO's vLLM branch of `_generate_single_turn`, keeping the `k`-wide log-prob lists (appended to
-    ``trainer._rpp_captures``) and selecting the sampled token's log-prob by id. Returns ``(completion_ids,
-    sampled_logps)`` as GRPO's branch does.
+    """GRPO's vLLM branch of `_generate_single_turn`, keeping the `k`-wide log-prob lists and selecting the sampled
+    token's log-prob by id. Returns ``(completion_ids, sampled_logps, recorded)``: the first two as GRPO's branch
+    does, and the lists as a `RecordedTopK` (None when the engine failed). It takes TRL's trainer because the copied
+    branch reads the trainer's engine, processing class and generation state (`trl_rpp.patches.vllm_generate`).
 
     Only the engine's calls (`trl_rpp.patches.vllm_generate`: the weight sync and the generation) run under `faults`
     (`EngineFaults.call`): when they raise, one EOS per prompt comes back and the run stops at
@@ -134,11 +137,10 @@ def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations, k, fau
 
     answer = faults.call(lambda: vllm_generate(trainer, prompt_ids, images, num_generations))
     if answer is None:
-        return empty_completions(trainer, prompt_ids)
+        return (*empty_completions(trainer, prompt_ids), None)
     _, completion_ids, logprobs, token_ids = answer
     sampled, recorded = parse_vllm_topk(completion_ids, logprobs, token_ids, k)
-    trainer._rpp_captures.append(recorded)
-    return completion_ids, sampled
+    return completion_ids, sampled, recorded
 
 
 def message(trainer, process, cause) -> str:

@@ -1,5 +1,6 @@
 """The sampler's records: what the sampler kept and how likely it was, captured where it samples and read by the loss.
 
+- `generation`: one generation batch's record, made when the batch is sampled and carried with it;
 - `settings`: which generation settings a record describes exactly, and the bound of a truncation's kept sets;
 - `capture`: the record inside transformers' `generate` (score centering's top-k, a truncation's kept sets);
 - `vllm`: the same record parsed from vLLM's log-prob lists;

@@ -189,23 +189,23 @@ def _width(entries) -> int:
     return len(entries) if isinstance(entries, (list, tuple)) else -1
 
 
-def sampler_topk_of_generation(trainer, generated, k):
+def sampler_topk_of_generation(generated, captures, k, rollout_func: bool, tools: bool):
     """The sampler's `k`-wide record (top-k or kept set) at the model tokens of GRPO's `_generate` output
-    ``generated`` (its 8-tuple).
+    ``generated`` (its 8-tuple), from ``captures``, the record of each `generate` call or engine answer in order.
 
-    Returns ``(generated, capture)``: with a `rollout_func`, its ``logprobs`` (top-k lists, `rollout_sampler_topk`)
-    replaced by the sampled tokens' log-probs that TRL expects, and a `RecordedTopK`; otherwise ``generated``
-    unchanged and the one `generate` call's capture, or, after TRL's tool loop, the calls' captures aligned to the
-    final completions (`align_turn_captures`). ``capture.tensors(T)`` gives the batch tensors.
+    Returns ``(generated, capture)``: with a `rollout_func` (``rollout_func`` True), its ``logprobs`` (top-k lists,
+    `rollout_sampler_topk`) replaced by the sampled tokens' log-probs that TRL expects, and a `RecordedTopK`;
+    otherwise ``generated`` unchanged and the one call's capture, or, after TRL's tool loop (``tools`` True), the
+    calls' captures aligned to the final completions (`align_turn_captures`). ``capture.tensors(T)`` gives the batch
+    tensors.
     """
-    captures, trainer._rpp_captures = trainer._rpp_captures, []
     prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = generated
-    if trainer.rollout_func is not None:
+    if rollout_func:
         sampled, recorded = rollout_sampler_topk(
             completion_ids, logprobs, extra_fields.get("logprob_token_ids"), tool_mask, k
         )
         return (prompt_ids, completion_ids, tool_mask, completions, sampled, extra_fields, images, tool_images), recorded
-    if not trainer.tools:
+    if not tools:
         return generated, captures[0]
     turns = [c.tensors(len(c.ids) if isinstance(c.ids, list) else c.ids.size(1)) for c in captures]
     return generated, align_turn_captures(turns, tool_mask)
