@@ -1,6 +1,7 @@
 """The one message of every rejected setting, wherever the rule lives (`trl_rpp.config`, `trl_rpp.distributed`,
 `trl_rpp.faults.preemption`, `trl_rpp.records.settings`, `trl_rpp.engines.vllm_colocate`): the field and its value,
-the setting it conflicts with, what is accepted, and why. Light on purpose: it imports nothing, so any module can use it."""
+the setting it conflicts with, what is accepted, and why. Light on purpose: it imports nothing, so any module can
+use it."""
 
 from __future__ import annotations
 

@@ -211,7 +211,8 @@ def lm_head_lora_allowed(is_lora_head, required: bool):
 def check_rollouts(trainer, check_output, check_tool_loop_output) -> None:
     """At construction: every output of `trainer.rollout_func` goes through ``check_output(output)``, and, with
     tools, every output of TRL's tool-calling loop through ``check_tool_loop_output(tool_mask, completion_ids)``,
-    right where they arrive, before any reward or forward pass is spent."""
+    right where they arrive, before any reward or forward pass is spent. It takes TRL's trainer: it wraps the instance's
+    `rollout_func` and `_tool_call_loop`."""
     _expect(hasattr(trainer, "rollout_func"), "check_rollouts", "trl", "GRPOTrainer keeps its `rollout_func`")
     rollout_func = trainer.rollout_func
     if rollout_func is not None:
@@ -241,7 +242,8 @@ def check_rollouts(trainer, check_output, check_tool_loop_output) -> None:
 @_patch("trl")
 def restore_generation_buffer(trainer, buffered_inputs, step: int) -> None:
     """On resume: GRPO's buffered generation batch and its position, as they were when the checkpoint was saved
-    (GRPO itself drops the buffer and samples a new batch)."""
+    (GRPO itself drops the buffer and samples a new batch). It takes TRL's trainer: it writes GRPO's private buffer on
+    it."""
     _expect(hasattr(trainer, "_buffered_inputs") and hasattr(trainer, "_step"), "restore_generation_buffer", "trl",
             "GRPOTrainer buffers a generation batch in `_buffered_inputs`, at position `_step`")
     trainer._buffered_inputs, trainer._step = buffered_inputs, step
@@ -301,7 +303,8 @@ def request_logprobs(vllm_generation, width: int) -> None:
 def vllm_generate(trainer, prompt_ids, images, num_generations):
     """GRPO's vLLM branch of `_generate_single_turn` up to the engine's answer: the weight sync when the step
     changed (TRL's `_last_loaded_step`), then `VLLMGeneration.generate`'s ``(prompt_ids, completion_ids, logprobs,
-    logprob_token_ids)``. tests/test_package.py checks that it calls what TRL's branch calls."""
+    logprob_token_ids)``. tests/test_package.py checks that it calls what TRL's branch calls. It takes TRL's trainer:
+    the copied branch reads its engine and `_last_loaded_step`."""
     from trl.extras.profiling import profiling_context
 
     _expect(hasattr(trainer, "_last_loaded_step"), "vllm_generate", "trl",

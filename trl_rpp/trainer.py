@@ -67,7 +67,7 @@ from .distributed import check_normalization_group
 from .engines.vllm_colocate import use_weight_sync
 from .engines.vllm_server import check_at_construction
 from .faults.checkpoint import resolve_resume_checkpoint, restore_buffer_on_resume, save_checkpoint
-from .faults.engine import EngineFaults, generate_vllm_with_topk, guard_server_client
+from .faults.engine import EngineFaults, first_eos, generate_vllm_with_topk, guard_server_client
 from .faults.gradients import GradGuardMixin
 from .faults.inputs import check_dataset_not_empty, check_prompt_column
 from .faults.preemption import Preemption
@@ -258,7 +258,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
                     record.captures.append(recorded)
                 return completion_ids, sampled
             generate = lambda: parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)  # noqa: E731
-            return record.engine_faults.guard(self, generate, prompt_ids)
+            return record.engine_faults.guard(generate, prompt_ids, first_eos(self.eos_token_ids))
         if not self._rpp_width:
             return parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
         if self._rpp_bound:  # the kept set and log q_S, after every warper

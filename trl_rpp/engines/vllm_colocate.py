@@ -35,7 +35,7 @@ def use_cpu_weight_sync(vllm_generation) -> None:
 def use_weight_sync(trainer, disk_sync=None) -> None:
     """The weight sync `trainer`'s engine needs: vLLM's reload for a colocated engine on CPU, the disk transport
     `disk_sync` for a server with `vllm_server_weight_sync="disk"` (`trl_rpp.engines.vllm_server`), TRL's everywhere
-    else."""
+    else. It takes TRL's trainer: it replaces the sync of the `vllm_generation` GRPO built."""
     from .vllm_server import use_disk_weight_sync
 
     if trainer.args.use_vllm:

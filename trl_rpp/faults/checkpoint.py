@@ -286,7 +286,8 @@ class ResumeLayout:
 
 
 def layout_of(trainer) -> ResumeLayout:
-    """The `ResumeLayout` of an `RPPTrainer`'s run, on this process."""
+    """The `ResumeLayout` of an `RPPTrainer`'s run, on this process. It takes TRL's trainer: the layout depends on its
+    engine (DeepSpeed, FSDP), its scaler and its arguments."""
     args = trainer.args
     engine = "deepspeed" if trainer.is_deepspeed_enabled else "fsdp" if trainer.is_fsdp_enabled else "plain"
     scaler = getattr(trainer.accelerator, "scaler", None) is not None
@@ -386,8 +387,8 @@ def resolve_resume_checkpoint(trainer, resume_from_checkpoint):
     - `True`: the newest checkpoint complete on every process (`newest_complete_checkpoint`). Each newer, torn one is
       skipped with a warning that names it and its damaged file. Checkpoints but none complete: Trainer's `ValueError`
       ("No valid checkpoint found"), naming each. No checkpoint at all: `True`, for Trainer's own error.
-    - a folder: itself if complete; otherwise `DamagedCheckpointError`, naming the file and what to do.
-    """
+    - a folder: itself if complete; otherwise `DamagedCheckpointError`, naming the file and what to do. It takes TRL's
+    trainer for its layout (`layout_of`)."""
     layout, output_dir = layout_of(trainer), trainer.args.output_dir
     if resume_from_checkpoint is True and os.path.isdir(output_dir):
         many = trainer.accelerator.num_processes > 1
@@ -410,7 +411,8 @@ def resolve_resume_checkpoint(trainer, resume_from_checkpoint):
 
 
 def _buffer_needed_now(trainer) -> bool:
-    """`buffer_needed` at `trainer`'s current step and settings."""
+    """`buffer_needed` at `trainer`'s current step and settings. It takes TRL's trainer for its step and its GRPO
+    settings."""
     args = trainer.args
     return buffer_needed(trainer.state.global_step, args.gradient_accumulation_steps, args.steps_per_generation,
                          trainer.num_iterations)
@@ -420,7 +422,7 @@ def save_checkpoint(trainer, trial, save) -> None:
     """`RPPTrainer._save_checkpoint`: the buffered generation batch when a resume needs it (`buffer_needed`), before
     Trainer's files, so that a checkpoint with a `trainer_state.json` always has its buffer; then ``save()`` (GRPO's).
     A failed write (`OSError`: a full disk, an I/O error) raises a `CheckpointSaveError` naming the folder and the
-    checkpoint a resume would take."""
+    checkpoint a resume would take. It takes TRL's trainer: it saves GRPO's buffered batch and wraps Trainer's save."""
     output_dir = trainer._get_output_dir(trial=trial)
     folder = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
     needed = _buffer_needed_now(trainer)
@@ -435,7 +437,8 @@ def save_checkpoint(trainer, trial, save) -> None:
 
 def restore_buffer_on_resume(trainer, checkpoint) -> None:
     """After Trainer loads the optimizer from `checkpoint` (None: not resuming): the saved generation batch, which a
-    resumed run trains on where GRPO would sample a new one (`trl_rpp.patches.restore_generation_buffer`)."""
+    resumed run trains on where GRPO would sample a new one (`trl_rpp.patches.restore_generation_buffer`). It takes
+    TRL's trainer: the buffer goes back into GRPO's private attributes."""
     if checkpoint is None:
         return
     loaded = load_generation_buffer(checkpoint, trainer.accelerator.process_index, _buffer_needed_now(trainer),

@@ -36,9 +36,11 @@ class GenerationEngineError(RuntimeError):
     """The generation engine raised on at least one process; raised on every process, chained to the cause."""
 
 
-def engine_name(trainer) -> str:
-    if trainer.vllm_generation.mode == "server":  # the URL TRL's client is built with (only process 0 has one)
-        return f"the vLLM server at {server_url(trainer.args)}"
+def engine_name(args) -> str:
+    """The engine a message names, from the config (`args.vllm_mode`; a server by the URL TRL's client is built
+    with, which only process 0 has)."""
+    if args.vllm_mode == "server":
+        return f"the vLLM server at {server_url(args)}"
     return "the colocated vLLM engine"
 
 
@@ -61,15 +63,16 @@ class EngineFaults:
             self.record(err)
             return None
 
-    def guard(self, trainer, generate, prompt_ids):
-        """`generate()` (TRL's vLLM branch, which has the engine's calls), or, when it raises, one EOS per prompt
+    def guard(self, generate, prompt_ids, eos: int):
+        """`generate()` (TRL's vLLM branch, which has the engine's calls), or, when it raises, one `eos` per prompt
         so that this process reaches TRL's collectives (`call`)."""
         out = self.call(generate)
-        return empty_completions(trainer, prompt_ids) if out is None else out
+        return empty_completions(eos, prompt_ids) if out is None else out
 
     def settle(self, trainer):
         """After TRL's `_generate` on every process: raise the same `GenerationEngineError` everywhere when any
-        process's engine failed, naming the first failing process (one gather, one host read, with several)."""
+        process's engine failed, naming the first failing process (one gather, one host read, with several). It
+        takes TRL's trainer for the message (`message`)."""
         failure, self.failure = self.failure, None
         acc = trainer.accelerator
         if acc.num_processes > 1:
@@ -88,15 +91,15 @@ class EngineFaults:
         raise GenerationEngineError(message(trainer, process, cause)) from failure
 
 
-def empty_completions(trainer, prompt_ids):
-    """`_generate_single_turn`'s ``(completion_ids, logprobs)`` for a failed engine call: one EOS per prompt, with a
+def empty_completions(eos: int, prompt_ids):
+    """`_generate_single_turn`'s ``(completion_ids, logprobs)`` for a failed engine call: one `eos` per prompt, with a
     log-prob of 0; nothing is trained on them (`EngineFaults.settle` raises first)."""
-    eos = first_eos(trainer)
     return [[eos] for _ in prompt_ids], [[0.0] for _ in prompt_ids]
 
 
-def first_eos(trainer) -> int:
-    return trainer.eos_token_ids[0] if isinstance(trainer.eos_token_ids, (list, tuple)) else trainer.eos_token_ids
+def first_eos(eos_token_ids) -> int:
+    """The first of GRPO's `eos_token_ids` (an id or a list of ids)."""
+    return eos_token_ids[0] if isinstance(eos_token_ids, (list, tuple)) else eos_token_ids
 
 
 def guard_server_client(trainer, faults):
@@ -105,7 +108,8 @@ def guard_server_client(trainer, faults):
     trainer for its client, which TRL builds on process 0 alone."""
     args = trainer.args
     if args.use_vllm and args.vllm_mode == "server" and trainer.accelerator.is_main_process:
-        guard_client(trainer.vllm_generation.vllm_client, faults, first_eos(trainer), args.vllm_server_request_timeout)
+        guard_client(trainer.vllm_generation.vllm_client, faults, first_eos(trainer.eos_token_ids),
+                     args.vllm_server_request_timeout)
 
 
 def guard_client(client, faults, eos: int, timeout: float | None):
@@ -137,13 +141,15 @@ def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations, k, fau
 
     answer = faults.call(lambda: vllm_generate(trainer, prompt_ids, images, num_generations))
     if answer is None:
-        return (*empty_completions(trainer, prompt_ids), None)
+        return (*empty_completions(first_eos(trainer.eos_token_ids), prompt_ids), None)
     _, completion_ids, logprobs, token_ids = answer
     sampled, recorded = parse_vllm_topk(completion_ids, logprobs, token_ids, k)
     return completion_ids, sampled, recorded
 
 
 def message(trainer, process, cause) -> str:
+    """What `GenerationEngineError` says. It takes TRL's trainer: the message names the step, the mode, and the newest
+    complete checkpoint as the trainer's own layout of its output directory defines it (`faults.checkpoint`)."""
     from .checkpoint import layout_of, newest_complete_checkpoint
 
     out = trainer.args.output_dir
@@ -151,6 +157,6 @@ def message(trainer, process, cause) -> str:
     resume = (f"the newest complete checkpoint is {newest!r}: fix the engine, then resume with "
               "resume_from_checkpoint=True" if newest else "no complete checkpoint was saved yet")
     mode = "train" if trainer.model.training else "eval"
-    return (f"{engine_name(trainer)} failed on process {process} of {trainer.accelerator.num_processes} while "
+    return (f"{engine_name(trainer.args)} failed on process {process} of {trainer.accelerator.num_processes} while "
             f"generating at step {trainer.state.global_step} ({mode}): {cause}. The run stops on every process; "
             f"{resume}.")

@@ -269,7 +269,8 @@ class RewardFaults:
     @contextlib.contextmanager
     def settled(self, trainer):
         """Around TRL's `_calculate_rewards` (which ends in the rewards gather): afterwards, every process learns of
-        every failed call, logs the counts, and either warns about its own failures or raises the same error."""
+        every failed call, logs the counts, and either warns about its own failures or raises the same error. It takes
+        TRL's trainer: the counts go into its metrics, named by its reward functions, at its step."""
         with self._lock:
             self._failures = []  # left over if TRL raised in the previous call
         yield
@@ -303,7 +304,8 @@ class RewardFaults:
                           "it had returned None for each.", RuntimeWarning, stacklevel=2)
 
     def _raise(self, trainer, failures, keys, names, at, mode, process, num_processes):
-        """Every process raises the same error: that of the first failure that must raise, in process order."""
+        """Every process raises the same error: that of the first failure that must raise, in process order. It takes
+        TRL's trainer for the step the error names."""
         must = [f for f in failures if f.kind == INVALID or self.policy == "raise"]
         mine = None
         if must:

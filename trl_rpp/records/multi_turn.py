@@ -265,7 +265,8 @@ def check_rollout_output(output) -> None:
 
 def install_rollout_checks(trainer) -> None:
     """At construction: check every `rollout_func` output (`check_rollout_output`), and assert that TRL's tool-calling
-    loop (aligned by construction) returns one `tool_mask` entry per completion token (`check_external_mask`)."""
+    loop (aligned by construction) returns one `tool_mask` entry per completion token (`check_external_mask`). It takes
+    TRL's trainer: the checks wrap the instance's rollout and tool loop (`check_rollouts`)."""
     check_rollouts(trainer, check_rollout_output,
                    lambda tool_mask, completion_ids: check_external_mask(tool_mask, completion_ids, "tool_mask",
                                                                          "TRL's tool-calling loop"))
