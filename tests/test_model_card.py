@@ -161,3 +161,76 @@ def test_quick_start_prompt_comes_from_the_training_data():
     assert example_prompt(None) is None and example_prompt(Dataset.from_list([{"text": "x"}])) is None
     card = render_model_card(args=_config(), base_model="m/x", prompt=None)
     assert _quick_start_prompt(card) == "Your prompt here"
+
+
+def _links(text):
+    """Every URL in a card: Markdown links, image sources, the `trackio:<url>` tag."""
+    return set(re.findall(r"https?://[^\s)\"'<>]+", text))
+
+
+def test_every_link_of_trls_card_for_a_run_is_in_ours(tmp_path, tiny_model, monkeypatch):
+    """Our card is TRL's plus ours: for a trainer whose run TRL sees on Weights & Biases, Trackio and Comet, in a
+    Hugging Face Job, with an Unsloth-patched model, every link (the run links among them) and every tag of the card
+    TRL's own `create_model_card` writes is in ours, and ours keeps its own sections.
+
+    W&B is a real run (offline: WANDB_MODE). An offline run has no URL (`Run.url` is None by W&B's design), so TRL's
+    card links none: first checked as it is; then `Run.url` gives the URL an online run of the same id would have.
+    Trackio and Comet are not installed here: `get_trackio_space_url` and `get_comet_experiment_url`, which TRL's
+    `create_model_card` calls for their URLs, give a URL in the form each builds."""
+    import trl.trainer.base_trainer as trl_base
+    import wandb
+    from huggingface_hub import ModelCard
+    from trl import GRPOTrainer
+
+    from trl_rpp import RPPTrainer
+    from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("JOB_ID", "card-test-job")  # a Hugging Face Job: TRL tags the card `hf_jobs`
+    args = RPPConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none",
+                     per_device_train_batch_size=4, num_generations=4, max_completion_length=4)
+    trainer = RPPTrainer(model=tiny_model, reward_funcs=copy_first_char_reward, args=args,
+                         train_dataset=copy_task_dataset(8))
+    readme = tmp_path / "out" / "README.md"
+
+    def cards(**kw):
+        GRPOTrainer.create_model_card(trainer, **kw)
+        theirs = readme.read_text()
+        trainer.create_model_card(**kw)
+        return theirs, readme.read_text()
+
+    run = wandb.init(project="trl-rpp-card", dir=str(tmp_path))
+    try:
+        # The tiny model is a local folder: TRL's card links `https://huggingface.co/None`, ours none, the rest alike.
+        assert run.url is None
+        theirs, ours = cards(model_name="tiny-rpp", dataset_name="openai/gsm8k", tags=["my-tag"])
+        assert "https://huggingface.co/None" in _links(theirs) and "huggingface.co/None" not in ours
+        assert _links(theirs) - {"https://huggingface.co/None"} <= _links(ours)
+        assert f"fine-tuned version of the local checkpoint `{Path(tiny_model).name}`" in ours
+
+        wandb_url = f"https://wandb.ai/trl-rpp/{run.project}/runs/{run.id}"
+        trackio_url = "https://me-trackio.hf.space?project=trl-rpp-card&runs=run-1&sidebar=collapsed"
+        comet_url = "https://www.comet.com/me/trl-rpp-card/0123456789abcdef"
+        monkeypatch.setattr(type(run), "url", property(lambda r: f"https://wandb.ai/trl-rpp/{r.project}/runs/{r.id}"))
+        monkeypatch.setattr(trl_base, "get_trackio_space_url", lambda: trackio_url)
+        monkeypatch.setattr(trl_base, "get_comet_experiment_url", lambda: comet_url)
+        trainer.model.config.name_or_path = "Qwen/Qwen3-0.6B"  # as loaded from the Hub: TRL links the base model
+        trainer.model.config.unsloth_version = "2026.1.1"  # as Unsloth marks a model it patched
+        theirs, ours = cards(model_name="tiny-rpp", dataset_name="openai/gsm8k", tags=["my-tag"])
+    finally:
+        wandb.finish()
+    assert {wandb_url, trackio_url, comet_url} <= _links(theirs)  # TRL saw the three runs
+    assert _links(theirs) <= _links(ours), _links(theirs) - _links(ours)
+    their_tags, our_tags = ModelCard(theirs).data.tags, ModelCard(ours).data.tags
+    assert {"unsloth", "hf_jobs", f"trackio:{trackio_url}", "my-tag", "reinforce-plus-plus"} <= set(their_tags)
+    assert set(their_tags) <= set(our_tags)
+    # What ours adds to TRL's: the base model and dataset named, the settings, our quick start, trl_rpp's version.
+    assert ("fine-tuned version of [Qwen/Qwen3-0.6B](https://huggingface.co/Qwen/Qwen3-0.6B) on the "
+            "[openai/gsm8k](https://huggingface.co/datasets/openai/gsm8k) dataset." in ours)
+    assert "| `advantage_estimator` | `reinforce_plus_plus`" in ours and "- trl_rpp: " in ours
+    assert _quick_start_prompt(ours) == trainer.train_dataset[0]["prompt"] and 'model="out"' in ours
+    assert REINFORCE_PP_PAPER["citation"] in ours and ours.count("Cite TRL as:") == 1
+    assert str(tmp_path) not in ours
+    assert_no_broken_links(ours)

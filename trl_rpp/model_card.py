@@ -1,13 +1,24 @@
-"""The model card `RPPTrainer.create_model_card` writes: the real base model, the dataset, the REINFORCE++
-settings that trained the model, and the citations.
+"""The model card `RPPTrainer.create_model_card` writes: TRL's card plus ours.
 
-TRL's card (`trl.trainer.utils.generate_model_card`) links `https://huggingface.co/<base_model>` and
-`https://huggingface.co/datasets/<dataset_name>` whatever the names are, so a local checkpoint gives
-"[None](https://huggingface.co/None)" and a local or generated dataset a broken link. Here a name is linked only
-when it is a Hub id; a folder converted by `trl_rpp.testing.assets` from a GGUF file names the Hub model it came from
-(its `trl_rpp_conversion.json`). A card is meant for the Hub, so it never shows a machine path: a local model,
-dataset or output folder is named by its last component (`/home/me/.cache/x/base` is `base`), or as given when
-the path is relative.
+TRL's `create_model_card` (`trl.trainer.base_trainer._BaseTrainer`) builds the card: its tags (the trainer's,
+`unsloth` for a model Unsloth patched, `hf_jobs` in a Hugging Face Job, `trackio:<url>`, the caller's), the links to
+the run (Weights & Biases, Trackio, Comet), the method's paper and citation (`RPPTrainer._paper`), the framework
+versions and TRL's citation. `RPPTrainer.create_model_card` lets TRL write that card, then `build_model_card` keeps
+all of it and changes only what TRL gets wrong or does not know:
+
+- the metadata's `base_model`, `datasets`, `library_name` and `model_name`, and the opening paragraph. TRL's
+  template (`trl/templates/lm_model_card.md`) links `https://huggingface.co/<base_model>` and
+  `https://huggingface.co/datasets/<dataset_name>` whatever the names are, so a local checkpoint gives
+  "[None](https://huggingface.co/None)" and a local or generated dataset a broken link. Here a name is linked only
+  when it is a Hub id; a folder converted by `trl_rpp.testing.assets` from a GGUF file names the Hub model it came
+  from (its `trl_rpp_conversion.json`); a LoRA run is a `peft` adapter.
+- the quick start: it loads the pushed model or the output folder, and asks the training data's first prompt.
+- added: the REINFORCE++ settings table (in "Training procedure", after TRL's run links), `trl_rpp`'s version (in
+  "Framework versions"), and score centering's citation when it is on (before TRL's).
+
+A card is meant for the Hub, so it never shows a machine path: a local model, dataset or output folder is named by
+its last component (`/home/me/.cache/x/base` is `base`), or as given when the path is relative. A section TRL's card
+gains in a later version is kept as it is.
 """
 
 from __future__ import annotations
@@ -41,14 +52,6 @@ SCORE_CENTERING_PAPER = {
     eprint       = {arXiv:2609.20807},
 }""",
 }
-
-TRL_CITATION = """@software{vonwerra2020trl,
-    title        = {{TRL: Transformers Reinforcement Learning}},
-    author       = {von Werra, Leandro and Belkada, Younes and Tunstall, Lewis and Beeching, Edward and Thrush, Tristan and Lambert, Nathan and Huang, Shengyi and Rasul, Kashif and Gallou{\\'e}dec, Quentin},
-    license      = {Apache-2.0},
-    url          = {https://github.com/huggingface/trl},
-    year         = 2020,
-}"""
 
 #: Provenance file that `trl_rpp.testing.assets` writes into a checkpoint it converted from a GGUF file.
 CONVERSION_MARKER = "trl_rpp_conversion.json"
@@ -153,6 +156,67 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def _sections(text: str) -> list[tuple[str | None, list[str]]]:
+    """A Markdown text cut at its `## ` headings (outside code blocks): `(heading, lines)` pairs, the first one
+    `(None, lines before any heading)`."""
+    sections, heading, lines, fenced = [], None, [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        if not fenced and line.startswith("## "):
+            sections.append((heading, lines))
+            heading, lines = line[3:].strip(), []
+        else:
+            lines.append(line)
+    sections.append((heading, lines))
+    return sections
+
+
+def _tidy(lines: list[str]) -> list[str]:
+    """`lines` without trailing spaces, without runs of blank lines (what TRL's template leaves where a run link is
+    absent) and without blank lines at either end; code blocks are kept as they are."""
+    out, fenced = [], False
+    for line in lines:
+        if line.startswith("```"):
+            fenced = not fenced
+        line = line if fenced else line.rstrip()
+        if fenced or line or (out and out[-1]):
+            out.append(line)
+    while out and not out[-1]:
+        out.pop()
+    return out
+
+
+def _insert_before(lines: list[str], prefix: str, new: list[str]) -> list[str]:
+    """`new` inserted before the first line that starts with `prefix`, or appended when there is none."""
+    at = next((i for i, line in enumerate(lines) if line.startswith(prefix)), len(lines))
+    return lines[:at] + new + lines[at:]
+
+
+def _training_procedure(lines: list[str], settings: list[str], versions: str) -> list[str]:
+    """TRL's "Training procedure" (its run links, the method's paper, "Framework versions") with the settings table
+    before "Framework versions" and `versions` first in its list."""
+    lines = _tidy(lines)
+    if "### Framework versions" not in lines:
+        lines += ["", "### Framework versions", ""]
+    at = lines.index("### Framework versions")
+    return _tidy([*lines[:at], "", *settings, *_insert_before(lines[at:], "- ", [versions])])
+
+
+def _trl_card(*, base_model, model_name, hub_model_id, dataset_name, tags, wandb_url, trackio_url, comet_url):
+    """TRL's card for these inputs, from TRL's own builder (`trl.trainer.utils.generate_model_card`), with the
+    paper and name `RPPTrainer` gives TRL (`_paper`, `_name`)."""
+    from trl.trainer.utils import generate_model_card
+
+    paper = REINFORCE_PP_PAPER
+    return generate_model_card(
+        base_model=base_model, model_name=model_name, hub_model_id=hub_model_id, dataset_name=dataset_name,
+        tags=list(tags or []), wandb_url=wandb_url, trackio_url=trackio_url, comet_url=comet_url,
+        trainer_name="REINFORCE++", trainer_citation=paper["citation"], paper_title=paper["title"],
+        paper_id=paper["id"],
+    )
+
+
 def render_model_card(
     *,
     args,
@@ -162,10 +226,15 @@ def render_model_card(
     hub_model_id: str | None = None,
     tags: list[str] | None = None,
     wandb_url: str | None = None,
+    trackio_url: str | None = None,
+    comet_url: str | None = None,
     peft_type: str | None = None,
     prompt=None,
+    trl_card=None,
 ) -> str:
-    """The card's full text (YAML metadata and Markdown) for a run with `args` (an `RPPConfig`); its quick start asks
+    """The card's full text (YAML metadata and Markdown) for a run with `args` (an `RPPConfig`): `trl_card` (TRL's
+    `ModelCard` for the run, as its `create_model_card` wrote it; when None, TRL's `generate_model_card` builds it
+    from `tags` and the run links given here) with our changes (see the module's docstring). Its quick start asks
     `prompt` (a string or a list of chat messages: `example_prompt` of the training data)."""
     from huggingface_hub import ModelCardData
 
@@ -173,97 +242,81 @@ def render_model_card(
     dataset_id, dataset_text = describe_dataset(dataset_name)
     model_name = model_name or Path(str(args.output_dir)).name
     load_from = hub_model_id or local_name(args.output_dir)
-    card_data = ModelCardData(
-        base_model=base_id,
-        datasets=[dataset_id] if dataset_id else None,
-        library_name="peft" if peft_type else "transformers",
-        model_name=model_name,
-        tags=["generated_from_trainer", *(tags or [])],
-    )
+    if trl_card is None:
+        trl_card = _trl_card(base_model=base_id, model_name=model_name, hub_model_id=load_from,
+                             dataset_name=dataset_id, tags=tags, wandb_url=wandb_url, trackio_url=trackio_url,
+                             comet_url=comet_url)
+    trl_data = trl_card.data.to_dict()
+    card_data = ModelCardData(**{
+        **trl_data,  # TRL's tags (run links, unsloth, hf_jobs) and whatever else TRL records
+        # TRL's tags come from a set: in a fixed order here, so that the card of each save differs only where it must
+        "tags": sorted(trl_data.get("tags") or [], key=lambda tag: (tag != "generated_from_trainer", tag)) or None,
+        "base_model": base_id,
+        "datasets": [dataset_id] if dataset_id else None,
+        "library_name": "peft" if peft_type else trl_data.get("library_name", "transformers"),
+        "model_name": model_name,
+    })
+
     estimator = _ESTIMATOR_NAMES.get(args.advantage_estimator, args.advantage_estimator)
     adapter = f" as a {peft_type} adapter" if peft_type else ""
     trained_on = f" on {dataset_text}" if dataset_text else ""
-    settings = "\n".join(f"| {k} | {v} |" for k, v in training_settings(args))
     paper = REINFORCE_PP_PAPER
     method = f"[{paper['title']}](https://huggingface.co/papers/{paper['id']}) (arXiv:{paper['id']})"
-    citations = [f"Cite REINFORCE++ as:\n\n```bibtex\n{paper['citation']}\n```"]
     if args.score_centering:
         sc = SCORE_CENTERING_PAPER
         method += (f", with the score-centering correction of [{sc['title']}](https://huggingface.co/papers/{sc['id']}) "
                    f"(arXiv:{sc['id']})")
-        citations.append(f"Cite score centering as:\n\n```bibtex\n{sc['citation']}\n```")
-    citations.append(f"Cite TRL as:\n\n```bibtex\n{TRL_CITATION}\n```")
-    wandb = f"\nTraining run: [Weights & Biases]({wandb_url})\n" if wandb_url else ""
-    citation_text = "\n\n".join(citations)
-    return f"""---
-{card_data.to_yaml()}
----
-
-# Model card for {model_name}
+    opening = f"""# Model Card for {model_name}
 
 This model is a fine-tuned version of {base_text}{trained_on}{adapter}.
 It was trained with {estimator} by `trl_rpp`'s `RPPTrainer`, a subclass of
-[TRL](https://github.com/huggingface/trl)'s `GRPOTrainer`; {estimator} is the method of {method}.
-
-## Quick start
-
-```python
+[TRL](https://github.com/huggingface/trl)'s `GRPOTrainer`; {estimator} is the method of {method}."""
+    quick_start = f"""```python
 from transformers import pipeline
 
 generator = pipeline("text-generation", model="{load_from}", device_map="auto")
 output = generator({_quick_start_input(prompt)}, max_new_tokens=64, return_full_text=False)[0]
 print(output["generated_text"])
-```
+```"""
+    settings = ["| setting | value |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in training_settings(args)), ""]
+    versions = f"- trl_rpp: {_version('trl_rpp')}"
+    citation = ([*f"Cite score centering as:\n\n```bibtex\n{SCORE_CENTERING_PAPER['citation']}\n```".splitlines(), ""]
+                if args.score_centering else [])
 
-## Training procedure
-{wandb}
-| setting | value |
-| --- | --- |
-{settings}
-
-### Framework versions
-
-- trl_rpp: {_version("trl_rpp")}
-- TRL: {_version("trl")}
-- Transformers: {_version("transformers")}
-- PyTorch: {_version("torch")}
-- Datasets: {_version("datasets")}
-- Tokenizers: {_version("tokenizers")}
-
-## Citations
-
-{citation_text}
-"""
+    # TRL's sections in TRL's order: its opening and quick start replaced by ours, its training procedure (the run
+    # links, the method's paper, the framework versions) and citations kept with ours added, any other kept as is.
+    ours = {
+        None: lambda lines: opening.splitlines(),
+        "Quick start": lambda lines: quick_start.splitlines(),
+        "Training procedure": lambda lines: _training_procedure(lines, settings, versions),
+        "Citations": lambda lines: _tidy(_insert_before(_tidy(lines), "Cite TRL as", citation)),
+    }
+    body = []
+    for heading, lines in _sections(trl_card.text):
+        new = ours.pop(heading, _tidy)(lines)
+        body += ([] if heading is None else [f"## {heading}", ""]) + new + [""]
+    for heading, make in ours.items():  # a section TRL's card no longer has
+        body += ([] if heading is None else [f"## {heading}", ""]) + make([]) + [""]
+    return "---\n" + card_data.to_yaml() + "\n---\n\n" + "\n".join(body)
 
 
-def build_model_card(trainer, model_name=None, dataset_name=None, tags=None):
-    """A `huggingface_hub.ModelCard` for `trainer` (an `RPPTrainer`)."""
-    import os
-
+def build_model_card(trainer, trl_card, model_name=None, dataset_name=None):
+    """The `huggingface_hub.ModelCard` of `trainer` (an `RPPTrainer`): `trl_card` (the card TRL's
+    `create_model_card` wrote for the same `model_name`, `dataset_name` and tags) with our changes."""
     from huggingface_hub import ModelCard
+    from trl.trainer.utils import get_config_model_id  # what TRL's card reads the base model with
 
     config = getattr(trainer.model, "config", None)
-    base_model = getattr(config, "_name_or_path", None)
+    base_model = get_config_model_id(config) if config is not None else None
     peft_config = getattr(trainer.model, "peft_config", None)
     peft_type = None
     if peft_config:
         first = next(iter(peft_config.values()))
         peft_type = str(getattr(first.peft_type, "value", first.peft_type))
         peft_type = {"LORA": "LoRA"}.get(peft_type, peft_type)
-    tags = {tags} if isinstance(tags, str) else set(tags or [])
-    tags.update(trainer._tag_names)
-    if "JOB_ID" in os.environ:
-        tags.add("hf_jobs")
-    wandb_url = None
-    try:
-        import wandb
-
-        wandb_url = wandb.run.url if wandb.run is not None else None
-    except ImportError:
-        pass
     text = render_model_card(
-        args=trainer.args, base_model=base_model, model_name=model_name, dataset_name=dataset_name,
-        hub_model_id=trainer.hub_model_id, tags=sorted(tags), wandb_url=wandb_url, peft_type=peft_type,
-        prompt=example_prompt(trainer.train_dataset),
+        args=trainer.args, base_model=base_model or None, model_name=model_name, dataset_name=dataset_name,
+        hub_model_id=trainer.hub_model_id, peft_type=peft_type, prompt=example_prompt(trainer.train_dataset),
+        trl_card=trl_card,
     )
     return ModelCard(text)

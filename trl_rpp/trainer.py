@@ -211,11 +211,19 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
                     install_head_reader(self.accelerator.unwrap_model(model))
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's card, written by `trl_rpp.model_card`: the real base model (never a `None` link), the dataset, the
-        estimator's settings, and the REINFORCE++ (and, when on, score-centering) citations."""
-        if self.is_world_process_zero():
-            card = build_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
-            card.save(os.path.join(self.args.output_dir, "README.md"))
+        """TRL's card plus ours (`trl_rpp.model_card`). TRL's `create_model_card` writes its card, with its tags
+        (`unsloth`, `hf_jobs`, `trackio:<url>`), its links to the run (Weights & Biases, Trackio, Comet), the
+        REINFORCE++ paper and citation (`_paper`); `build_model_card` then names the real base model (never a `None`
+        link) and the dataset, writes the quick start, and adds the estimator's settings and, when on, score
+        centering's citation."""
+        if not self.is_world_process_zero():
+            return
+        from huggingface_hub import ModelCard
+
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        path = os.path.join(self.args.output_dir, "README.md")
+        card = build_model_card(self, ModelCard.load(path), model_name=model_name, dataset_name=dataset_name)
+        card.save(path)
 
     # --- Checkpoints: the buffered generation batch is saved and restored with them (`trl_rpp.faults.checkpoint`) ---
 
