@@ -38,7 +38,7 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
     _get_grad_norm                     per optimizer step (`faults.gradients`): a NaN/Inf norm skips the step
     _save_checkpoint                   the buffered generation batch (self._buffered_inputs) first, then GRPO's; a
                                        failed write (OSError) is raised as a CheckpointSaveError naming the folder
-    create_model_card                  after training, on demand: `trl_rpp.model_card` instead of TRL's card text
+    create_model_card                  after training, on demand: TRL's card, then ours on it (`trl_rpp.model_card`)
 
 Batch keys written at generation and read by `_compute_loss` (``B`` local rows, ``T`` completion positions):
 
@@ -108,7 +108,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
        steps as in GRPO's `"grpo"` loss type. GRPO's k3 `beta` term is never used.
     4. **Metrics.** `advantages/*`, `returns/*`, `ref_kl/k1_mean`, `ppo_kl`, `kl_loss`, `policy_loss` and, with score
        centering, `score_centering/*`, reduced across processes (`docs/rpp_trainer.md`), next to GRPO's own.
-    5. **Model card.** Names the real base model and records the estimator's settings (`trl_rpp.model_card`).
+    5. **Model card.** TRL's card, naming the real base model, with the estimator's settings (`trl_rpp.model_card`).
     6. **vLLM.** GRPO's generation and its importance-sampling ratio, which weights each token's loss, are kept. The
        colocated engine runs in `vllm_dtype` and keeps the log-probs the sampler record needs; on vLLM's CPU backend
        its weights are synced by `reload_weights`; `vllm_server_weight_sync="disk"` sends a server's through a
