@@ -20,6 +20,9 @@ PACKAGE = Path(patches.__file__).parent
 # A new assignment on a foreign object fails `test_no_module_but_patches_assigns_foreign_attributes` until it moves
 # into `trl_rpp.patches` (or, if it is an object of ours or a documented public field, is added here with why).
 OWN_OR_PUBLIC = {
+    "trainer.py": dict.fromkeys(("record.topk", "record.support", "record.tie_overflow",
+                                 "current_record('scoring the completions').rewards_per_func"),
+                                "our GenerationRecord (trl_rpp.records.generation)"),
     "cli.py": {"training_args.model_init_kwargs": "a GRPOConfig field, set as TRL's scripts set it",
                "action.help": "argparse's public `Action.help`"},
     "config.py": {"RPPConfig.__doc__": "our class's docstring",
@@ -34,8 +37,6 @@ OWN_OR_PUBLIC = {
     "faults/rewards.py": {"guarded.__name__": "our wrapper function", "guarded.__qualname__": "our wrapper function",
                           "thread.name": "the standard library's threading.Thread.name"},
     "lm_head.py": {"ctx.args": "torch's autograd ctx, where a Function keeps non-tensor inputs"},
-    "score_centering.py": dict.fromkeys(("ctx.temperature", "ctx.chunk_size", "ctx.overwrite"),
-                                        "torch's autograd ctx, where a Function keeps non-tensor inputs"),
     # Tiny models and tokenizers built for tests, through their public fields.
     "testing/assets.py": dict.fromkeys(("model.generation_config", "tokenizer.pad_token", "tokenizer.model_max_length",
                                         "config.pad_token_id", "delattr(config, 'quantization_config')",
@@ -134,6 +135,78 @@ def test_the_scan_finds_a_foreign_assignment(tmp_path):
         "trainer.vllm_generation.logprobs", "setattr(trainer, 'beta', 0.0)", "self.beta"]
 
 
+# Private members of other libraries read outside `trl_rpp.patches`, each with why it is not there. The trainer's reads
+# of its own GRPOTrainer members (`self._metrics`, `super()._generate`, ...) are its hook map, pinned one by one in
+# tests/test_package.py, and are not scanned.
+PRIVATE_READS = {
+    "core.py": {"torch._assert_async": "a pure module (torch only); checked at import, listed in patches' table"},
+    "lm_head.py": dict.fromkeys(("torch._C._will_engine_execute_node", "torch._C"),
+                                "a pure module (torch only); checked at import, listed in patches' table"),
+    "cli.py": dict.fromkeys(("parser._actions", "parser._action_groups", "parser._remove_action", "group._group_actions",
+                             "parser._option_string_actions"),
+                            "the standard library's argparse: no public API removes an option"),
+}
+
+
+def _defined_names() -> set[str]:
+    """Every name the package defines: functions, classes, variables, arguments, imports, and attributes it sets on its
+    own objects (`self.x = ...`)."""
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(n.name)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                names.add(n.id)
+            elif isinstance(n, ast.arg):
+                names.add(n.arg)
+            elif isinstance(n, ast.alias):
+                names.add((n.asname or n.name).split(".")[0])
+            elif (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+                  and n.value.id in ("self", "cls", "ctx")):
+                names.add(n.attr)
+    return names
+
+
+def foreign_private_reads(path: Path, rel: str, defined: set[str]) -> list[str]:
+    """The reads in `path` of `_`-prefixed members that the package does not define, as ``"file:line: target"``."""
+    allowed = PRIVATE_READS.get(rel, {})
+    found = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and n.attr.startswith("_")
+                and not n.attr.startswith("__") and n.attr not in defined):
+            continue
+        root = n.value.func if isinstance(n.value, ast.Call) else n.value
+        if rel == "trainer.py" and getattr(root, "id", None) in ("self", "super"):
+            continue
+        if ast.unparse(n) not in allowed:
+            found.append(f"{rel}:{n.lineno}: {ast.unparse(n)}")
+    return found
+
+
+def test_no_module_but_patches_reads_foreign_private_members():
+    defined = _defined_names()
+    found = [line for path in sorted(PACKAGE.rglob("*.py")) if path.name != "patches.py"
+             for line in foreign_private_reads(path, path.relative_to(PACKAGE).as_posix(), defined)]
+    assert not found, "private members of other libraries read outside trl_rpp.patches:\n" + "\n".join(found)
+    for rel, reads in PRIVATE_READS.items():
+        for target, why in reads.items():
+            assert target in (PACKAGE / rel).read_text(), (rel, target)  # no stale entry
+            if "patches' table" in why and target != "torch._C":
+                assert f"`{target}`" in patches.__doc__, target
+
+
+def test_the_scan_finds_a_foreign_private_read(tmp_path):
+    """The scan itself: a read of a private member of a foreign object, through a name or through `self`, outside the
+    trainer; the package's own private names are not reported."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(head, x):\n    return head._cast_input_dtype(x), _read(x)\n\n\n"
+                     "class Mixin:\n    def g(self):\n        return self._metrics, self._rpp_grad_guard\n\n\n"
+                     "def _read(x):\n    return x\n")
+    found = foreign_private_reads(probe, "faults/probe.py", _defined_names())
+    assert [line.split(": ", 1)[1] for line in found] == ["head._cast_input_dtype", "self._metrics"]
+
+
 def test_the_docstring_table_lists_every_patch():
     rows = re.findall(r"^\| `(\w+)` \| ([\w, ]+) \|", patches.__doc__, re.M)
     assert {name: tuple(lib.strip().lower() for lib in libs.split(",")) for name, libs in rows} == {
@@ -176,6 +249,13 @@ MOVED_TARGET = {
     "head_reader_forward": lambda mp: (mp.delattr(importlib.import_module("trl.trainer.utils"),
                                                   "maybe_gather_lm_head_ctx"),
                                        patches.head_reader_forward(types.SimpleNamespace(forward=print), print, None)),
+    "synced_params": lambda mp: patches.synced_params(types.SimpleNamespace()),
+    "generation_buffer": lambda mp: patches.generation_buffer(types.SimpleNamespace()),
+    "checkpoint_folder_root": lambda mp: patches.checkpoint_folder_root(types.SimpleNamespace(), None),
+    "logged_metrics": lambda mp: patches.logged_metrics(types.SimpleNamespace(_metrics={}), "train"),
+    "lora_input": lambda mp: patches.lora_input(types.SimpleNamespace(), None, None),
+    "tool_suffix_ids": lambda mp: (mp.delattr(importlib.import_module("trl").GRPOTrainer, "_get_tool_suffix_ids"),
+                                   patches.tool_suffix_ids(types.SimpleNamespace(), [])),
 }
 # The library each case moves the target of (the first one a patch touches, unless named here).
 MOVED_LIBRARY = {"reload_weight_sync": "vllm", "generate_with_processor": "transformers", "head_reader_forward": "trl"}

@@ -21,6 +21,11 @@ import numbers
 import torch
 import torch.distributed as dist
 
+# The one private torch member read here (`trl_rpp.patches` lists it): checked when the module loads.
+if not callable(getattr(torch, "_assert_async", None)):
+    raise ImportError(f"trl_rpp.core reads torch._assert_async, which the installed torch {torch.__version__} lacks "
+                      "(torch 2.11 to 2.15 have it): install one of those, or report it with the version.")
+
 __all__ = [
     "kl_k1",
     "kl_k2",

@@ -36,6 +36,12 @@ import torch
 
 from .truncation import ABSENT
 
+# The one private torch member read here (`trl_rpp.patches` lists it): checked when the module loads.
+if not callable(getattr(torch._C, "_will_engine_execute_node", None)):
+    raise ImportError("trl_rpp.lm_head reads torch._C._will_engine_execute_node, which the installed torch "
+                      f"{torch.__version__} lacks (torch 2.11 to 2.15 have it): install one of those, or report it "
+                      "with the version.")
+
 TILE_ELEMENTS = 1 << 25  # elements of one tile's widest tensor ([tile, V] logits or [tile, n + K, H] head rows)
 
 

@@ -25,6 +25,23 @@ upgrade, re-check each row (tests/test_package.py pins the TRL source each one r
 | `head_reader_forward` | transformers, TRL | `forward` of the model instance | `rpp_read_head=` returns what a reader makes of the final hidden states and the head (TRL's `maybe_gather_lm_head_ctx` gathers a ZeRO-3 head) |
 | `restore_generation_buffer` | TRL | `GRPOTrainer._buffered_inputs`, `_step` | a resumed run trains on the saved generation batch |
 | `vllm_generate` | TRL | `GRPOTrainer._last_loaded_step` | GRPO's vLLM branch of `_generate_single_turn` up to the engine's answer, copied (its log-prob lists are kept) |
+| `synced_params` | TRL | `VLLMGeneration._iter_named_params` | read: the weights TRL's sync sends, for the disk transport |
+| `generation_buffer` | TRL | `GRPOTrainer._buffered_inputs`, `_step` | read: the buffered generation batch a checkpoint saves |
+| `checkpoint_folder_root` | transformers | `Trainer._get_output_dir` | read: where `Trainer._save_checkpoint` writes a checkpoint |
+| `logged_metrics` | TRL | `GRPOTrainer._metrics` | read: the metric lists GRPO logs, which our metrics join |
+| `lora_input` | PEFT | `lora.Linear._cast_input_dtype` | read: the adapter's input cast as PEFT's forward casts it |
+| `tool_suffix_ids` | TRL | `GRPOTrainer._get_tool_suffix_ids` | read: the tokens after a tool call, for the tool-calling test model |
+
+The pure tensor functions import torch alone, not this module, and read two of its private members, each checked
+when its module loads (a torch without it fails the import, naming the member and the version):
+
+| member | read by | why |
+| --- | --- | --- |
+| `torch._assert_async` | `trl_rpp.core` | an empty normalization population fails on the device, without a host sync |
+| `torch._C._will_engine_execute_node` | `trl_rpp.lm_head` | whether the backward will accumulate into a dense `.grad` |
+
+The trainer's reads of `GRPOTrainer`'s private hooks and attributes are its hook map; tests/test_package.py pins
+each one's signature or presence.
 """
 
 from __future__ import annotations
@@ -249,6 +266,53 @@ def restore_generation_buffer(trainer, buffered_inputs, step: int) -> None:
     trainer._buffered_inputs, trainer._step = buffered_inputs, step
 
 
+@_patch("trl")
+def generation_buffer(trainer):
+    """Read: GRPO's buffered generation batch and its position, ``(buffered_inputs, step)``, which a checkpoint inside
+    a generation batch saves."""
+    _expect(hasattr(trainer, "_buffered_inputs") and hasattr(trainer, "_step"), "generation_buffer", "trl",
+            "GRPOTrainer buffers a generation batch in `_buffered_inputs`, at position `_step`")
+    return trainer._buffered_inputs, trainer._step
+
+
+@_patch("transformers")
+def checkpoint_folder_root(trainer, trial) -> str:
+    """Read: the folder `Trainer._save_checkpoint` writes its `checkpoint-<step>` into (`Trainer._get_output_dir`)."""
+    _expect(_has_callable(trainer, "_get_output_dir"), "checkpoint_folder_root", "transformers",
+            "Trainer names its checkpoints' folder with `_get_output_dir(trial=...)`")
+    return trainer._get_output_dir(trial=trial)
+
+
+@_patch("trl")
+def logged_metrics(trainer, mode: str):
+    """Read: GRPO's per-mode metric lists (`GRPOTrainer._metrics[mode]`, name -> values), averaged and logged by its
+    `log`; appending to them is how a GRPO subclass logs a metric."""
+    metrics = getattr(trainer, "_metrics", None)
+    _expect(isinstance(metrics, dict) and mode in metrics, "logged_metrics", "trl",
+            "GRPOTrainer keeps its metrics in `_metrics`, a dict of 'train' and 'eval' lists by name")
+    return metrics[mode]
+
+
+@_patch("peft")
+def lora_input(layer, x, dtype):
+    """Read: `x` cast as PEFT's `lora.Linear.forward` casts its input for the adapter (`_cast_input_dtype`: to the
+    adapter's dtype, unless PEFT's autocast setting leaves it)."""
+    _expect(_has_callable(layer, "_cast_input_dtype"), "lora_input", "peft",
+            "lora.Linear casts the adapter's input with `_cast_input_dtype(x, dtype)`")
+    return layer._cast_input_dtype(x, dtype)
+
+
+@_patch("trl")
+def tool_suffix_ids(trainer, tool_messages):
+    """Read: the token ids GRPO's tool loop appends after a tool call for `tool_messages`
+    (`GRPOTrainer._get_tool_suffix_ids`), on `trainer` or a stand-in holding what it reads."""
+    from trl import GRPOTrainer
+
+    _expect(_has_callable(GRPOTrainer, "_get_tool_suffix_ids"), "tool_suffix_ids", "trl",
+            "GRPOTrainer renders a tool call's result with `_get_tool_suffix_ids(tool_messages)`")
+    return GRPOTrainer._get_tool_suffix_ids(trainer, tool_messages)
+
+
 # --- TRL's vLLM generation --------------------------------------------------------------------------------------
 
 
@@ -256,6 +320,15 @@ def _expect_sync(vllm_generation, patch):
     _expect(_has_callable(vllm_generation, "sync_weights") and _has_callable(vllm_generation, "_iter_named_params"),
             patch, "trl", "VLLMGeneration pushes the weights with `sync_weights` and yields them from "
             "`_iter_named_params`")
+
+
+@_patch("trl")
+def synced_params(vllm_generation):
+    """Read: TRL's iterator over the ``(name, tensor)`` its weight sync sends (`VLLMGeneration._iter_named_params`:
+    LoRA merged, ZeRO-3 and FSDP shards gathered, so every process walks it)."""
+    _expect(_has_callable(vllm_generation, "_iter_named_params"), "synced_params", "trl",
+            "VLLMGeneration yields the synced weights from `_iter_named_params`")
+    return vllm_generation._iter_named_params()
 
 
 @_patch("trl", "vllm")

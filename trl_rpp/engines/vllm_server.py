@@ -47,7 +47,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from ..patches import disk_weight_sync
+from ..patches import disk_weight_sync, synced_params
 
 WEIGHTS, FILE, PARTIAL = "weights", "model.safetensors", ".model.safetensors.partial"
 _PROBE = re.compile(r"probe-[0-9a-f]{32}")
@@ -171,9 +171,9 @@ class DiskWeightSync:
         acc = self.accelerator
         main = acc.is_main_process
         if self.metadata is None:  # one pass for the header, as TRL's NCCL sync does for its metadata
-            self.metadata = [(name, p.dtype, list(p.shape)) for name, p in self.vllm_generation._iter_named_params()]
+            self.metadata = [(name, p.dtype, list(p.shape)) for name, p in synced_params(self.vllm_generation)]
         failure = None
-        params = self.vllm_generation._iter_named_params()
+        params = synced_params(self.vllm_generation)
         if main:
             try:
                 self._probe()

@@ -41,7 +41,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from transformers.utils.peft_utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
-from ..patches import restore_generation_buffer
+from ..patches import checkpoint_folder_root, generation_buffer, restore_generation_buffer
 
 BUFFER_FILE = "rpp_generation_buffer_rank{}.pt"
 # The model as `save_pretrained` writes it (one of these is enough): full or sharded weights, or a PEFT adapter.
@@ -423,12 +423,13 @@ def save_checkpoint(trainer, trial, save) -> None:
     Trainer's files, so that a checkpoint with a `trainer_state.json` always has its buffer; then ``save()`` (GRPO's).
     A failed write (`OSError`: a full disk, an I/O error) raises a `CheckpointSaveError` naming the folder and the
     checkpoint a resume would take. It takes TRL's trainer: it saves GRPO's buffered batch and wraps Trainer's save."""
-    output_dir = trainer._get_output_dir(trial=trial)
+    output_dir = checkpoint_folder_root(trainer, trial)
     folder = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
     needed = _buffer_needed_now(trainer)
+    buffered_inputs, position = generation_buffer(trainer)
     try:
-        if trainer._buffered_inputs is not None and needed:  # at a generation boundary a resume samples a new batch
-            save_generation_buffer(folder, trainer.accelerator.process_index, trainer._step, trainer._buffered_inputs)
+        if buffered_inputs is not None and needed:  # at a generation boundary a resume samples a new batch
+            save_generation_buffer(folder, trainer.accelerator.process_index, position, buffered_inputs)
             trainer.accelerator.wait_for_everyone()  # every buffer lands before rank 0 writes trainer_state.json
         save()
     except OSError as err:

@@ -46,6 +46,8 @@ import warnings
 
 from accelerate.utils import DistributedType
 
+from ..patches import logged_metrics
+
 
 class NonFiniteGradientError(RuntimeError):
     """The gradient norm was NaN or +/-Inf at more optimizer steps in a row than
@@ -136,7 +138,7 @@ class GradGuardMixin:
             return grad_norm
         norm = as_float(grad_norm)
         skip = guard.observe(norm, self.state.global_step + 1)  # the step as the log history numbers it
-        count_skipped(self._metrics["train"], skip)
+        count_skipped(logged_metrics(self, "train"), skip)
         if skip:
             model.zero_grad(set_to_none=True)  # the optimizer skips parameters without a gradient
         return norm

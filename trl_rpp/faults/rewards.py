@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import torch
 from trl.trainer.utils import get_callable_name, is_async_callable
 
+from ..patches import logged_metrics
+
 # Failure kinds. "invalid": values that fail the reward checks (`guard_reward_func`); they raise under either policy.
 ERROR, TIMEOUT, INVALID = "error", "timeout", "invalid"
 
@@ -293,7 +295,7 @@ class RewardFaults:
         p, n = acc.process_index, acc.num_processes
         if any(sum(c[2]) for c in counts_per_process):
             self._raise(trainer, failures, keys, names, at, mode, p, n)
-        metrics = trainer._metrics[mode]
+        metrics = logged_metrics(trainer, mode)
         for c, name in enumerate(names):
             metrics[f"rewards/{name}/errors"].append(float(sum(x[0][c] for x in counts_per_process)))
             metrics[f"rewards/{name}/timeouts"].append(float(sum(x[1][c] for x in counts_per_process)))

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..patches import head_reader_forward, lm_head_lora_allowed
+from ..patches import head_reader_forward, lm_head_lora_allowed, lora_input
 
 
 def head_transform(config):
@@ -88,7 +88,7 @@ def head_lowrank(head, hidden, kind="", lora=None):
         if adapter in head.lora_variant or head.lora_bias.get(adapter):  # added after construction
             check_lora_head(head, kind)
         lora_a = head.lora_A[adapter]
-        x = head._cast_input_dtype(hidden, lora_a.weight.dtype)
+        x = lora_input(head, hidden, lora_a.weight.dtype)
         us.append(lora_a(head.lora_dropout[adapter](x)) * head.scaling[adapter])
         bs.append(head.lora_B[adapter].weight)
     if not us:

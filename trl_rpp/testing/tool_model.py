@@ -160,8 +160,9 @@ def warmup_sequences(tokenizer, direct_answers: bool = False):
     `GRPOTrainer._tokenize_prompts` renders it, the call, TRL's own tool suffix, the answer), labels on the model's
     tokens only; and the greeting. With ``direct_answers``, each question is also answered at once, without the tool
     and wrongly (`direct_answer_text`), so the warmed-up model calls the tool for about half of its samples."""
-    from trl import GRPOTrainer
     from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+
+    from ..patches import tool_suffix_ids
 
     # As GRPOTrainer with tools: its training template when the tokenizer's is not prefix-preserving.
     template = None if is_chat_template_prefix_preserving(tokenizer) else get_training_chat_template(tokenizer)
@@ -181,7 +182,7 @@ def warmup_sequences(tokenizer, direct_answers: bool = False):
     sequences = []
     for a, b in PAIRS:
         prompt, call, answer = prompt_ids(question(a, b)), encode(tool_call_text(a, b)), encode(answer_text(a, b))
-        suffix = GRPOTrainer._get_tool_suffix_ids(trl_view, [{"role": "tool", "name": "multiply", "content": str(a * b)}])
+        suffix = tool_suffix_ids(trl_view, [{"role": "tool", "name": "multiply", "content": str(a * b)}])
         ids = prompt + call + suffix + answer
         labels = [-100] * len(prompt) + call + [-100] * len(suffix) + answer
         sequences.append((ids, labels))
