@@ -130,7 +130,6 @@ def with_kept_mass(base):
     replay, on policy, TRL's ratio is that mass: the check of `full_tis`."""
     import torch
 
-    from trl_rpp.records.replay import completion_logits
     from trl_rpp.truncation import ABSENT, support_of
 
     class KeptMass(base):
@@ -147,7 +146,8 @@ def with_kept_mass(base):
             input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
             attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
             with torch.no_grad():
-                logits = completion_logits(self.model, input_ids, attention, T).float() / self.temperature
+                logits = self.model(input_ids=input_ids, attention_mask=attention, logits_to_keep=T + 1).logits
+                logits = logits[:, :-1].float() / self.temperature
                 logp = torch.log_softmax(logits, -1).gather(-1, support.clamp(min=0))
                 mass = logp.masked_fill(support == ABSENT, float("-inf")).logsumexp(-1).exp()
             m = self._metrics["train" if self.model.training else "eval"]

@@ -102,15 +102,6 @@ def head_logps(model, input_ids, attention_mask, ids, support_ids, temperature, 
         return model(input_ids=input_ids, attention_mask=attention_mask, rpp_read_head=read)
 
 
-def completion_logits(model, input_ids, attention_mask, logits_to_keep, autocast=None):
-    """`[B, T, V]` logits predicting the last `logits_to_keep` tokens of `input_ids` (the truncation study's)."""
-    from contextlib import nullcontext
-
-    with (autocast or nullcontext)():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1).logits
-    return logits[:, :-1]
-
-
 def head_is_whole_support(support_ids, head_width):
     """`[B, T]` bool: the head (the kept set's first `head_width` ids) holds the whole kept set, so score centering's
     tail is empty there."""
