@@ -302,7 +302,8 @@ print(output["generated_text"])
 
 def build_model_card(trainer, trl_card, model_name=None, dataset_name=None):
     """The `huggingface_hub.ModelCard` of `trainer` (an `RPPTrainer`): `trl_card` (the card TRL's
-    `create_model_card` wrote for the same `model_name`, `dataset_name` and tags) with our changes."""
+    `create_model_card` wrote for the same `model_name`, `dataset_name` and tags) with our changes. It takes TRL's
+    trainer as TRL's card does: the card describes its model, adapter, arguments and first training prompt."""
     from huggingface_hub import ModelCard
     from trl.trainer.utils import get_config_model_id  # what TRL's card reads the base model with
 
