@@ -4,11 +4,12 @@ side by side with a colocated engine (synced by `reload_weights` in the process)
     python benchmarks/server_sync.py --model SmolLM2        # the offline SmolLM2-135M-Instruct, float32
     python benchmarks/server_sync.py                        # a tiny Llama
 
-The benchmark starts the server as docs/vllm.md says for CPU (dev mode, `--dtype float32`). Both arms train
-REINFORCE++ on the same batch with a negligible learning rate and alternate round by round (`--rounds` x `--steps`,
-the first step of every round dropped as warm-up), so machine noise hits them alike. Step time: `on_step_begin` to
-`on_step_end` (generation, scoring, loss, optimizer step, and the sync). Sync time: TRL's `sync_weights` call, every
-process's gather included; for the server the write, its reload and the prefix-cache reset.
+The benchmark starts the server with docs/vllm.md's CPU command, `trl-rpp vllm-serve` (dev mode, float32). Both arms
+train REINFORCE++ on the same batch with a negligible learning rate and alternate round by round (`--rounds` x
+`--steps`, the first step of every round dropped as warm-up), so machine noise hits them alike. Step time:
+`on_step_begin` to `on_step_end` (generation, scoring, loss, optimizer step, and the sync). Sync time: TRL's
+`sync_weights` call, every process's gather included; for the server the probe, the write, its reload and the
+prefix-cache reset.
 """
 
 from __future__ import annotations
@@ -40,12 +41,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_server(model, port, max_len, log):
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_len), "--seed", "0",
-           "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, VLLM_SERVER_DEV_MODE="1"), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+def start_server(model, port, max_len, weight_dir, log):
+    cmd = [sys.executable, "-m", "trl_rpp.serve", "--model", model, "--port", str(port), "--max_model_len",
+           str(max_len), "--weight_dir", weight_dir]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     for _ in range(900):
         try:
             if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
@@ -103,7 +102,7 @@ def main():
         model = opts.model or build_tiny_model(os.path.join(tmp, "model"), hidden_size=256, num_layers=4, num_heads=4)
         port = free_port()
         log = open(os.path.join(tmp, "server.log"), "w")
-        server = start_server(model, port, opts.max_len, log)
+        server = start_server(model, port, opts.max_len, os.path.join(tmp, "weights"), log)
         try:
             arms = {arm: make_trainer(arm, model, opts, tmp, f"http://127.0.0.1:{port}")
                     for arm in ("colocate", "server_disk")}

@@ -1,6 +1,7 @@
 """docs/distributed.md, docs/vllm.md and examples/accelerate_configs/: every launch file loads with accelerate's own
 reader and says what the docs say, and every command in the two pages parses: accelerate's launch flags with accelerate's parser,
-the script's flags into `RPPConfig` and friends with the script's own parser, `vllm serve`'s flags with vLLM's.
+the script's flags into `RPPConfig` and friends with the script's own parser, `vllm serve`'s flags with vLLM's, and
+`trl-rpp vllm-serve`'s with its own, then the vLLM command it builds with vLLM's.
 Every training command resolves to the one-GPU GSM8K recipe's settings (reward, estimator, chat template, lengths),
 and the data preparation command the pages point to (docs/rpp_trainer.md) is the recipe's. Running the files for real, with the trainer, is
 tests/test_engines.py (CPU, 2 processes)."""
@@ -92,11 +93,29 @@ def test_every_command_in_the_docs_parses(script_parser):
     assert any("--num_processes 1" in c for c in launches), "the 1-GPU command"
     assert sum("--machine_rank 0" in c for c in launches) == 1 and "`--machine_rank 1`" in DOC.read_text()
     assert any("vllm_mode colocate" in c for c in launches) and any("vllm_mode server" in c for c in launches)
+    cpu_servers = 0
     for command in commands:
         argv = shlex.split(command)
         while "=" in argv[0]:  # leading VAR=value assignments
             argv = argv[1:]
         if argv[0] == "pip" or argv[:3] == PREPARE:  # the recipe's own command: test_commands_are_the_recipes
+            continue
+        if argv[:2] == ["trl-rpp", "vllm-serve"]:
+            # The CPU server (tests/test_vllm_engine.py starts it as written and trains against it): the launcher's
+            # parser, then vLLM's on the command it runs on a machine without CUDA (tests/test_serve.py has more).
+            from vllm.entrypoints.launchers.cli_args import make_arg_parser
+            from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+            from trl_rpp.serve import parse, server
+
+            opts, extra = parse(argv[2:], cuda=False)
+            built = server(opts, extra, cuda=False)
+            serve = make_arg_parser(FlexibleArgumentParser()).parse_args(built.argv[3:])
+            assert serve.model and serve.tensor_parallel_size == 1 and serve.dtype == "float32", command
+            assert serve.logprobs_mode == "processed_logprobs" and serve.max_logprobs == -1, command
+            assert serve.weight_transfer_config is None and built.env["VLLM_SERVER_DEV_MODE"] == "1", command
+            assert built.settings["vllm_server_weight_sync"] == "disk", command
+            cpu_servers += 1
             continue
         if argv[:2] == ["vllm", "serve"]:
             # vLLM's own parser; the flags TRL's clients rely on (what TRL 1.16's deprecated `trl vllm-serve` adds)
@@ -119,6 +138,7 @@ def test_every_command_in_the_docs_parses(script_parser):
         _, config, _ = script_parser.parse_args_into_dataclasses([*launch.training_script_args, "--use_cpu", "true"])
         mode = re.search(r"--vllm_mode (\w+)", command)
         assert config.use_vllm == bool(mode) and (not mode or config.vllm_mode == mode.group(1)), command
+    assert cpu_servers == 1, "docs/vllm.md's CPU server command"
 
 
 def without_env(argv):

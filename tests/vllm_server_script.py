@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -33,8 +34,8 @@ from transformers import TrainerCallback  # noqa: E402
 import vllm_engine_script as colocated  # noqa: E402
 from trainer_helpers import LAUNCH_ENV, finish_launched, launch_command, length_reward  # noqa: E402
 from vllm_engine_script import PROBE_TEXT, ProbingTrainer, policy_logps, tensors_to_lists  # noqa: E402
-
 from trl_rpp.records.generation import current_record  # noqa: E402
+
 DDP_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                           "accelerate_configs", "ddp.yaml")
 REFUSED_TIMEOUT_S = 240  # a process left waiting at a collective fails the test instead of blocking CI
@@ -93,7 +94,7 @@ CASES = {
     # The server stops answering (SIGSTOP) after step 2: step 3's sync fails within the 3 s limit.
     "disk_stopped": ("reinforce_plus_plus_baseline", dict(max_steps=4, save_strategy="steps", save_steps=2,
                                                           vllm_server_request_timeout=3.0), False),
-    # The server cannot find the probe at step 3's sync (removed after step 2, as if the directory were not shared).
+    # The server cannot find the probe at step 3's sync: after step 2 the directory is no longer shared with it.
     "disk_unshared": ("reinforce_plus_plus", dict(max_steps=4, save_strategy="steps", save_steps=2), False),
     # The disk is full at step 3's sync (the temporary file is /dev/full).
     "disk_full": ("reinforce_plus_plus", dict(max_steps=4, save_strategy="steps", save_steps=2), False),
@@ -133,7 +134,8 @@ def failure_report(trainer, err, signalled):
             "seconds_after_signal": time.monotonic() - signalled[0] if signalled else None,
             "step": trainer.state.global_step, "checkpoints": folders,
             "problems": {d: str(checkpoint_problem(os.path.join(out, d), layout_of(trainer))) for d in folders},
-            "weight_files": sorted(os.listdir(weights)) if os.path.isdir(weights) else None}
+            "weight_files": sorted(os.listdir(weights)) if os.path.isdir(weights) else None,
+            "weight_dir": sorted(os.listdir(trainer.args.vllm_server_weight_dir))}
 
 
 def saved_weights_probe(trainer):
@@ -199,28 +201,41 @@ class FillDiskAfter(TrainerCallback):
             os.symlink("/dev/full", os.path.join(args.vllm_server_weight_dir, "weights", ".model.safetensors.partial"))
 
 
-class RemoveProbeAfter(TrainerCallback):
-    """After optimizer step 2, on process 0: the probe directory is removed (the server then cannot find it)."""
+class UnshareDirectoryAfter(TrainerCallback):
+    """After optimizer step 2, on process 0: vllm_server_weight_dir becomes a directory that the server does not
+    share at that path. Its contents move to a new directory, and the path becomes a link through /proc/self/cwd:
+    in this process, whose working directory becomes the new one's parent, it leads to them; in the server, whose
+    working directory is another, to nothing. `restore` undoes it."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    NAME = "weights-seen-by-the-trainer-only"
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == 2 and state.is_world_process_zero:
-            import shutil
+            root = args.vllm_server_weight_dir
+            self.cwd, self.private = os.getcwd(), tempfile.mkdtemp(dir=os.path.dirname(root))
+            os.rename(root, os.path.join(self.private, self.NAME))
+            os.symlink(os.path.join("/proc/self/cwd", self.NAME), root)
+            os.chdir(self.private)
 
-            shutil.rmtree(self.trainer.vllm_generation.sync_weights.probe)
+    def restore(self, root):
+        os.chdir(self.cwd)
+        os.remove(root)
+        os.rename(os.path.join(self.private, self.NAME), root)
+        os.rmdir(self.private)
 
 
 def disk_full(outdir, name, initial_probe):
     from trl_rpp.faults.engine import GenerationEngineError
 
     trainer = build(outdir, name, initial_probe)
-    trainer.add_callback(FillDiskAfter() if name == "disk_full" else RemoveProbeAfter(trainer))
+    callback = FillDiskAfter() if name == "disk_full" else UnshareDirectoryAfter()
+    trainer.add_callback(callback)
     try:
         trainer.train()
-        raise AssertionError("train() returned although the disk was full")
+        raise AssertionError(f"train() returned although {name} stopped the sync")
     except GenerationEngineError as err:
+        if name == "disk_unshared":
+            callback.restore(trainer.args.vllm_server_weight_dir)
         report = failure_report(trainer, err, [])
     report["saved_probe"] = saved_weights_probe(trainer)
     return {"failure": report, "sync_probes": trainer.sync_probes}
@@ -343,6 +358,8 @@ def trained(outdir, name, initial_probe):
                   "engine_dtype": SERVER_INFO["model_config"]["dtype"],
                   "logprobs_mode": SERVER_INFO["model_config"]["logprobs_mode"],
                   "weight_files": sorted(os.listdir(os.path.join(trainer.args.vllm_server_weight_dir, "weights")))
+                  if trainer.accelerator.is_main_process else None,
+                  "weight_dir": sorted(os.listdir(trainer.args.vllm_server_weight_dir))
                   if trainer.accelerator.is_main_process else None,
                   "num_generations": trainer.args.num_generations, "kl_coef": trainer.args.kl_coef,
                   "gamma": trainer.args.gamma},

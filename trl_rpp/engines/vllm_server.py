@@ -14,9 +14,10 @@ and an NCCL group between them. This transport needs neither. At each of TRL's s
 Generation stays TRL's: its client, its requests, the server's processed log-probs.
 
 Failures. A reload from a path the server cannot read leaves vLLM 0.30's model half restored (its next generation
-fails), so process 0 first asks the server to "reload" a probe: a directory `probe-<random hex>` holding a
-safetensors file without tensors, loaded in vLLM's kernel format, which copies nothing. The server answers it only
-if it reads `vllm_server_weight_dir` at the same path: a unique name cannot be a stale copy on the server's side.
+fails), so before each reload process 0 asks the server to "reload" a probe: a new directory `probe-<random hex>` in
+`vllm_server_weight_dir` holding a safetensors file without tensors, loaded in vLLM's kernel format, which copies
+nothing, and removed once the server has answered. The server answers it only if it reads `vllm_server_weight_dir`
+at the same path: a new name cannot be a stale copy on the server's side.
 Before anything is trained, the same `ServerWeightSyncError` then reaches every process (one broadcast per sync,
 with several), and `trl_rpp.faults.engine` stops the run with `GenerationEngineError`, naming it:
 
@@ -26,17 +27,22 @@ with several), and `trl_rpp.faults.engine` stops the run with `GenerationEngineE
 - the disk is full, or any other `OSError` on the write: the temporary file is removed and the previous weights stay.
 
 At construction, before TRL loads anything (`check_at_construction`), process 0 waits for the server's health up
-to `vllm_server_timeout` (as TRL's client does), then makes the directory and checks the probe. The outcome is
-broadcast: a server that cannot be reached, one without dev mode, or a directory it cannot read raises the same
-`ServerWeightSyncError` on every process (raised on process 0 alone, as TRL's own checks are, it would leave the
-others waiting at TRL's first collective). A server lost between this check and TRL's client, which only process 0
-builds, still fails there alone.
+to `vllm_server_timeout` (as TRL's client does, but saying so once when the server does not answer at once), then
+makes the directory and checks the probe. The outcome is broadcast: a server that cannot be reached, one without
+dev mode, or a directory it cannot read raises the same `ServerWeightSyncError` on every process (raised on process
+0 alone, as TRL's own checks are, it would leave the others waiting at TRL's first collective). A server lost between
+this check and TRL's client, which only process 0 builds, still fails there alone. With TRL's NCCL transport
+(`vllm_server_weight_sync="nccl"`) the same wait runs, after a check that needs no server: a trainer without CUDA
+cannot use NCCL (TRL's `VLLMClient.init_communicator` refuses any other device after loading the model, or first
+asks to restart the server with NCCL's `--weight-transfer-config`, which cannot help), so it is refused at once,
+naming the disk transport.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -48,6 +54,8 @@ from urllib.parse import urlparse
 import torch
 
 from ..patches import disk_weight_sync, synced_params
+
+logger = logging.getLogger(__name__)
 
 WEIGHTS, FILE, PARTIAL = "weights", "model.safetensors", ".model.safetensors.partial"
 _PROBE = re.compile(r"probe-[0-9a-f]{32}")
@@ -122,49 +130,21 @@ class DiskWeightSync:
         self.root = os.path.abspath(weight_dir)
         self.folder = os.path.join(self.root, WEIGHTS)
         self.vllm_generation = None  # TRL's VLLMGeneration, once GRPOTrainer has built it
-        self.probe = None  # process 0's probe directory, made by `check`
         self.metadata = None  # (name, dtype, shape) of every tensor, from the first sync
 
     @property
     def accelerator(self):
         return self.vllm_generation.accelerator
 
-    def wait_for_server(self, wait: float, interval: float = 2.0) -> None:
-        """Process 0: poll the server's `/health` every `interval` seconds until it answers 200, for at most `wait`
-        seconds (TRL's `VLLMClient.check_server`, which also polls every 2 s)."""
-        import requests
-
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                # bounded, unlike TRL's: a server that accepts the connection and never answers must not hang here
-                answer = requests.get(self.base_url + "/health", timeout=max(deadline - time.monotonic(), 1.0))
-                if answer.status_code == 200:
-                    return
-                last = f"HTTP {answer.status_code}"
-            except requests.RequestException as err:
-                last = str(err)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ServerWeightSyncError(
-                    f"{self._server()} cannot be reached: no healthy answer within vllm_server_timeout={wait} s "
-                    f"(GET /health: {last}); start it, or correct vllm_server_base_url, or "
-                    "vllm_server_host and vllm_server_port")
-            time.sleep(min(interval, left))
-
     def check(self) -> None:
-        """Process 0, once: make the directories and the probe, and ask the server to read the probe."""
+        """Process 0, once: make the directories, and ask the server to read a probe (`_probe`)."""
         try:
             os.makedirs(self.folder, exist_ok=True)
-            for name in os.listdir(self.root):  # the probes of earlier runs
+            for name in os.listdir(self.root):  # probes left by a run killed while the server read them
                 if _PROBE.fullmatch(name):
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-            probe = os.path.join(self.root, f"probe-{uuid.uuid4().hex}")
-            os.makedirs(probe)
-            write_safetensors(probe, [], [])
         except OSError as err:
             raise ServerWeightSyncError(self._os_error(err)) from err
-        self.probe = probe
         self._probe()
 
     def __call__(self) -> None:
@@ -212,15 +192,25 @@ class DiskWeightSync:
                 f"weights in {self.folder!r} are intact")
 
     def _probe(self) -> None:
+        """Write a new probe directory, ask the server to read it, and remove it (a folder per check would pile up in
+        the user's directory; a new name each time is what a stale copy on the server's side cannot match)."""
+        probe = os.path.join(self.root, f"probe-{uuid.uuid4().hex}")
         try:
+            try:
+                os.makedirs(probe)
+                write_safetensors(probe, [], [])
+            except OSError as err:
+                raise ServerWeightSyncError(self._os_error(err)) from err
             # kernel format: an empty file copies nothing, so a failure leaves the server's weights as they were
-            self._rpc({"weights_path": self.probe, "is_checkpoint_format": False}, "read the probe")
+            self._rpc({"weights_path": probe, "is_checkpoint_format": False}, "read the probe")
         except ServerWeightSyncError as err:
-            if err.status != 500:  # no answer, or no dev mode
+            if err.status != 500:  # no answer, no dev mode, or our own write failed
                 raise
             raise ServerWeightSyncError(
-                f"{self._server()} cannot read {self.probe!r}, written by the trainer in vllm_server_weight_dir: "
+                f"{self._server()} cannot read {probe!r}, written by the trainer in vllm_server_weight_dir: "
                 f"the directory is not shared with the server at the same path ({err})") from err
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
 
     def _rpc(self, kwargs: dict, what: str):
         return self._post("/collective_rpc", {"method": "reload_weights", "kwargs": kwargs}, f"{what} {kwargs}")
@@ -258,6 +248,48 @@ def raise_on_every_process(failure: ServerWeightSyncError | None, num_processes:
         raise failure
 
 
+def wait_for_server(base_url: str, wait: float, interval: float = 2.0) -> None:
+    """Process 0: poll the server's `/health` every `interval` seconds until it answers 200, for at most `wait`
+    seconds (TRL's `VLLMClient.check_server`, which also polls every 2 s). When the first poll gets no healthy
+    answer, say once that it waits, for how long, and for which server: a server that is still loading (minutes on a
+    CPU) or was never started would otherwise look like a hung trainer."""
+    import requests
+
+    deadline = time.monotonic() + wait
+    said = False
+    while True:
+        try:
+            # bounded, unlike TRL's: a server that accepts the connection and never answers must not hang here
+            answer = requests.get(base_url + "/health", timeout=max(deadline - time.monotonic(), 1.0))
+            if answer.status_code == 200:
+                return
+            last = f"HTTP {answer.status_code}"
+        except requests.RequestException as err:
+            last = str(err)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ServerWeightSyncError(
+                f"the vLLM server at {base_url} cannot be reached: no healthy answer within vllm_server_timeout={wait} "
+                f"s (GET /health: {last}); start it (`trl-rpp vllm-serve`, docs/vllm.md#server), or correct "
+                "vllm_server_base_url, or vllm_server_host and vllm_server_port")
+        if not said:
+            logger.warning("trl_rpp: waiting up to %g s (vllm_server_timeout) for the vLLM server at %s to answer "
+                           "GET /health; if it is not starting, start it with `trl-rpp vllm-serve` "
+                           "(docs/vllm.md#server).", wait, base_url)
+            said = True
+        time.sleep(min(interval, left))
+
+
+def nccl_needs_cuda(device) -> str:
+    """The error of `vllm_server_weight_sync="nccl"` on a trainer whose device is not CUDA."""
+    return (f'vllm_server_weight_sync="nccl" (the default) cannot send the weights to the vLLM server from this '
+            f"trainer, which runs on {device}: vLLM's NCCL weight-transfer engine needs CUDA on both sides. Set "
+            'vllm_server_weight_sync="disk" and vllm_server_weight_dir to a directory the server reads at the same '
+            "path (flags: --vllm_server_weight_sync disk --vllm_server_weight_dir DIR), and start the server without "
+            "--weight-transfer-config: `trl-rpp vllm-serve --model MODEL --weight_dir DIR` does, and prints these "
+            "settings (docs/vllm.md#server).")
+
+
 def server_url(args) -> str:
     """The server's base URL as TRL 1.16 makes it (`VLLMGeneration._init_vllm`, `VLLMClient.__init__`)."""
     if args.vllm_server_base_url is None:
@@ -268,25 +300,32 @@ def server_url(args) -> str:
 
 def check_at_construction(args) -> DiskWeightSync | None:
     """Every process, before `GRPOTrainer.__init__` loads anything (the process group exists: `TrainingArguments`
-    made accelerate's `PartialState`): with `vllm_server_weight_sync="disk"`, process 0 waits for the server
-    (`vllm_server_timeout`) and checks the probe (`DiskWeightSync.check`); every process raises the same
-    `ServerWeightSyncError` on a failure, else gets the transport for `use_disk_weight_sync`. None without it."""
-    if not (args.use_vllm and args.vllm_mode == "server" and args.vllm_server_weight_sync == "disk"):
+    made accelerate's `PartialState`), in vLLM server mode: with `vllm_server_weight_sync="nccl"` on a device that
+    is not CUDA, raise `ServerWeightSyncError` naming the disk transport (`nccl_needs_cuda`); then process 0 waits for
+    the server (`wait_for_server`, `vllm_server_timeout`) and, with `"disk"`, checks the probe
+    (`DiskWeightSync.check`). Every process raises the same `ServerWeightSyncError` on a failure. Returns the disk
+    transport for `use_disk_weight_sync`, else None."""
+    if not (args.use_vllm and args.vllm_mode == "server"):
         return None
     from accelerate import PartialState
 
     state = PartialState()
-    sync = DiskWeightSync(args.vllm_server_weight_dir, args.vllm_server_request_timeout, server_url(args))
+    disk = args.vllm_server_weight_sync == "disk"
+    if not disk and state.device.type != "cuda":  # the same on every process: no broadcast needed
+        raise ServerWeightSyncError(nccl_needs_cuda(state.device))
+    url = server_url(args)
+    sync = DiskWeightSync(args.vllm_server_weight_dir, args.vllm_server_request_timeout, url) if disk else None
     failure = None
     if state.is_main_process:
         try:
-            sync.wait_for_server(args.vllm_server_timeout)
-            sync.check()
+            wait_for_server(url, args.vllm_server_timeout)
+            if sync is not None:
+                sync.check()
         except ServerWeightSyncError as err:
             failure = err
         except Exception as err:  # raised on process 0 alone, it would leave the others at the broadcast
-            failure = ServerWeightSyncError(f"cannot check {sync._server()} and vllm_server_weight_dir="
-                                            f"{sync.root!r}: {err!r}")
+            where = f" and vllm_server_weight_dir={sync.root!r}" if sync is not None else ""
+            failure = ServerWeightSyncError(f"cannot check the vLLM server at {url}{where}: {err!r}")
             failure.__cause__ = err
     raise_on_every_process(failure, state.num_processes)
     return sync
@@ -294,7 +333,8 @@ def check_at_construction(args) -> DiskWeightSync | None:
 
 def use_disk_weight_sync(trainer, sync: DiskWeightSync | None) -> None:
     """Make `trainer.vllm_generation.sync_weights` the disk transport `sync`, made and checked by
-    `check_at_construction` (None: not this transport)."""
+    `check_at_construction` (None: not this transport). It takes TRL's trainer: it replaces the sync of the
+    `vllm_generation` GRPO built."""
     if sync is None:
         return
     sync.vllm_generation = trainer.vllm_generation
