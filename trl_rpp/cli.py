@@ -19,9 +19,9 @@ Rewards (`--reward_funcs`, `--reward_model_name_or_path`) are resolved as `trl g
 name, or a dotted import path `my_lib.rewards.custom_reward` importable from the current directory or PYTHONPATH;
 the reward model comes first, then the functions in their order (the order of `--reward_weights`).
 
-On a machine without a GPU add `--bf16 false` (GRPOConfig's bf16 defaults to True). Every `RPPConfig`/`GRPOConfig` field is a flag, and so is every TRL
-`ModelConfig` field (`--use_peft --lora_r 16 ...`); `--config recipe.yaml` works as in TRL. `examples/rpp.py` is
-this same program.
+On a machine without a GPU add `--bf16 false` (GRPOConfig's bf16 defaults to True). Every `RPPConfig`/`GRPOConfig`
+field is a flag, and so is every TRL `ModelConfig` field (`--use_peft --lora_r 16 ...`); `--config recipe.yaml`
+works as in TRL. `examples/rpp.py` is this same program.
 """
 
 from __future__ import annotations
