@@ -88,7 +88,8 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--num_generations", type=int, default=8)
     p.add_argument("--completion_length", type=int, default=32)
-    p.add_argument("--max_len", type=int, default=256)
+    p.add_argument("--max_len", type=int, default=128, help="the server's context, within the model's positions (the "
+                   "default tiny Llama has 128)")
     p.add_argument("--threads", type=int, default=1)
     opts = p.parse_args()
     torch.set_num_threads(opts.threads)

@@ -136,7 +136,7 @@ def test_neutral_values_of_unread_settings_are_accepted(kwargs):
         (dict(use_vllm=True, score_centering=True, vllm_importance_sampling_mode="sequence_truncate"), r"vllm_importance_sampling_mode='sequence_truncate' is not supported with score_centering=True; accepted: 'token_truncate', 'token_mask'"),
         (dict(use_vllm=True, vllm_dtype="fp32"), r"vllm_dtype='fp32' is not supported; accepted values are 'auto', 'float32', 'bfloat16', 'float16'"),
         (dict(vllm_dtype="float32"), r"vllm_dtype='float32' is not supported with use_vllm=False; accepted: 'auto'"),
-        (dict(use_vllm=True, vllm_mode="server", vllm_dtype="float32"), r"vllm_dtype='float32' is not supported with vllm_mode='server'; accepted: 'auto'.*`vllm serve --dtype`"),
+        (dict(use_vllm=True, vllm_mode="server", vllm_dtype="float32"), r"vllm_dtype='float32' is not supported with vllm_mode='server'; accepted: 'auto'.*`trl-rpp vllm-serve --dtype`"),
     ],
 )
 def test_rejections_name_field_and_accepted_values(kwargs, pattern):

@@ -222,8 +222,8 @@ class RPPConfig(GRPOConfig):
             '(`use_vllm=True`, `vllm_mode="colocate"`). '
             '`"auto"` is vLLM\'s choice, the checkpoint\'s dtype, except that vLLM downcasts a float32 checkpoint to '
             'bfloat16: a float32 run then samples from a bfloat16 copy of its policy. `"float32"` samples at the '
-            'trainer\'s precision; `"bfloat16"` and `"float16"` set those. In server mode, pass `--dtype` to '
-            "`vllm serve` instead.",
+            'trainer\'s precision; `"bfloat16"` and `"float16"` set those. In server mode the server sets it: '
+            "`trl-rpp vllm-serve` starts it in float32 unless given `--dtype`.",
             "choices": list(VLLM_DTYPES),
         },
     )
@@ -468,7 +468,7 @@ _RULES = [
     _Rule("reward_timeout", _optional(_positive_finite), "None (no limit) or a finite float > 0, in seconds"),
     _Rule("vllm_dtype", _equals("auto"), "'auto'", "It sets the dtype of the colocated vLLM engine, and there is none.",
           when=lambda c: not c.use_vllm, under="use_vllm={use_vllm!r}"),
-    _Rule("vllm_dtype", _equals("auto"), "'auto'", "A vLLM server takes its dtype from `vllm serve --dtype`.",
+    _Rule("vllm_dtype", _equals("auto"), "'auto'", "A vLLM server takes its dtype from its own command (`trl-rpp vllm-serve --dtype`, float32 by default).",
           when=lambda c: c.vllm_mode != "colocate", under="vllm_mode={vllm_mode!r}"),
     _Rule("vllm_server_request_timeout", _optional(_positive_finite), "None (no limit) or a finite float > 0, in seconds"),
     _Rule("vllm_server_request_timeout", _equals(1800.0), "1800.0 (its default)", "Only a vLLM server's client reads it.",

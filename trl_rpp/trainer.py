@@ -3,7 +3,8 @@
 Hook map. The GRPOTrainer members overridden here, in the order a run calls them, and what passes between them
 (every touch of TRL's internals goes through `trl_rpp.patches`):
 
-    __init__                           checks a disk-synced server on every process (`engines.vllm_server`), then
+    __init__                           checks a vLLM server's transport and waits for it, on every process
+                                       (`engines.vllm_server`), then
                                        GRPO's inside `borrowed_beta` (so that it builds the reference model),
                                        `vllm_engine_args`, `without_nccl_group` and `lora_head_allowed`; then the
                                        engine's weight sync, the server client's guard, the sampler record's
@@ -165,7 +166,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         self._rpp_needs_ref = args.kl_coef != 0.0 or args.use_kl_loss
         bound, width = sampler_record(args)  # the kept sets' bound (replay) and the ids recorded per position
         # Before any model is loaded, on every process: a server or directory that cannot work raises everywhere.
-        disk_sync = check_at_construction(args)  # vllm_server_weight_sync="disk" (trl_rpp.engines.vllm_server)
+        disk_sync = check_at_construction(args)  # server mode: its transport and the server (trl_rpp.engines.vllm_server)
         colocated = args.use_vllm and args.vllm_mode == "colocate"
         engine = vllm_engine_args(width + 1 if colocated else 0, args.vllm_dtype if colocated else "auto")
         lora_allowed = lora_head_allowed(model, args, kwargs.get("peft_config"))
