@@ -318,6 +318,22 @@ def check_replayed_ratio(run, vllm_model, case, max_kept):
     assert steps and all(math.isfinite(h["loss"]) for h in steps)
 
 
+def test_a_batch_sampled_ahead_on_the_engine_leaves_the_first_batch_and_its_losses_unchanged(single):
+    """tests/test_generation_record.py on a colocated engine: the trainer samples a second batch from the engine
+    right after GRPO's `_generate` returned the first, before GRPO's old-policy forward reads the first batch's kept
+    sets (top_k=6 replayed, score centering on). The first batch's keys, pi_old and advantages and its two
+    micro-batch losses equal those of the same batch made alone, to the bit (JSON keeps float64 exactly)."""
+    ahead, alone = single["sample_ahead"], single["sample_alone"]
+    check_real_engine(ahead)
+    assert ahead["sampled_ahead"] == 1 and alone["sampled_ahead"] == 0
+    (first,), (made_alone,) = ahead["batches"], alone["batches"]
+    assert ahead["ahead_completions"] != first["completion_ids"]  # the second batch is another batch
+    assert {"sampler_support_ids", "sampler_head_ids", "old_per_token_logps", "advantages"} <= set(first)
+    assert first == made_alone
+    assert len(ahead["loss_calls"]) == len(alone["loss_calls"]) == 2
+    assert [c["loss"] for c in ahead["loss_calls"]] == [c["loss"] for c in alone["loss_calls"]]
+
+
 def test_without_replay_the_on_policy_ratio_is_the_kept_mass(single, vllm_model):
     """replay_sampler_support=False at top_k=6: TRL's ratio at each token is pi(S), the initial weights' mass on
     their 6 most probable tokens (float64 here), not 1."""
