@@ -11,7 +11,7 @@ recorded as `timed_out` while the others still run; a crash in one part is recor
 
 numerics: the trainer-level reference cases of tests/test_trainer.py on `--device`, for both estimators, in float32
     and with `bf16=True` (autocast, the float32 tiny Llama of `trl_rpp.testing.tiny`): (1) the advantages of every
-    generation batch against the float64 reference of tests/reference.py, computed from the rewards and log-probs
+    generation batch against the float64 reference of tests/support/reference.py, computed from the rewards and log-probs
     the trainer captured; (2) the gradient the optimizer sees at the first step against the gradient of the spec
     objective (`spec_step_loss` of tests/test_trainer.py) on a float64 copy of the initial weights.
     Tolerances. float32: those of the CPU tests (advantages rtol = atol = 1e-5; gradient rtol = 1e-4, atol = 1e-6).

@@ -1,4 +1,5 @@
-"""Fixtures and settings shared by the test files (helpers that scripts also import live in tests/trainer_helpers.py).
+"""Fixtures and settings shared by the test files. The test files are `test_*.py` here; the helpers they and their
+subprocess scripts import, and those scripts, are in tests/support/ (on `sys.path` for the tests).
 
 The suite runs on both cores with pytest-xdist (`make test`): each worker gets its share of the cores' threads,
 tests that share a module-scoped fixture (a vLLM engine, a reference run) stay on one worker, the models built for
@@ -15,6 +16,8 @@ import torch
 from filelock import FileLock
 
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness")
+SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
+sys.path.insert(0, SUPPORT)  # `from trainer_helpers import ...` in the test files
 os.environ.setdefault("WANDB_MODE", "offline")
 # SmolLM2's converted checkpoint (`trl_rpp.testing.assets`): a cache of the tests' own, shared by xdist workers and
 # the subprocesses they start, never the user's ~/.cache/trl_rpp.
@@ -124,14 +127,14 @@ def tool_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def two_process_runs(tmp_path_factory, tiny_model, eos_model):
-    """The folder of the suite's one `accelerate launch` of two CPU processes (tests/two_process_script.py), which
+    """The folder of the suite's one `accelerate launch` of two CPU processes (tests/support/two_process_script.py), which
     runs the two-process trainer cases of several test files in turn: one start of both processes for all."""
     import subprocess
 
     from trainer_helpers import LAUNCH_ENV, assert_launch_finished, launch_command
 
     outdir = tmp_path_factory.mktemp("two_process_runs")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "two_process_script.py")
+    script = os.path.join(SUPPORT, "two_process_script.py")
     proc = subprocess.run(launch_command(script, str(outdir), tiny_model, eos_model), env=dict(os.environ, **LAUNCH_ENV),
                           capture_output=True, text=True, timeout=540)  # a hung collective fails instead of blocking
     assert_launch_finished(outdir, proc.returncode, proc.stdout[-3000:] + proc.stderr)

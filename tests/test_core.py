@@ -1,4 +1,4 @@
-"""Core numerics against the independent float64 reference (`tests/reference.py`, written from the equations only)."""
+"""Core numerics against the independent float64 reference (`tests/support/reference.py`, written from the equations only)."""
 
 import inspect
 import math
@@ -367,7 +367,7 @@ def test_returns_across_chunk_boundaries_and_long_completions(dtype):
 
 
 def test_the_float64_references_pass_their_hand_checked_cases():
-    """`tests/reference.py`'s plain-loop references against values worked out by hand (its `_self_check`), so that a
+    """`tests/support/reference.py`'s plain-loop references against values worked out by hand (its `_self_check`), so that a
     reference every numerical test leans on is itself checked in the suite."""
     import reference
 

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 through `accelerate launch` with the shipped config files, 2 CPU processes on
-gloo, compared step by step with the same runs under plain DDP (tests/engine_script.py runs the cases). FSDP2 needs a
+gloo, compared step by step with the same runs under plain DDP (tests/support/engine_script.py runs the cases). FSDP2 needs a
 test-only shim on CPU (`engine_script.force_fsdp_on_cpu`); where accelerate's internals differ from what it needs,
 it raises, naming the accelerate version.
 
@@ -80,7 +80,7 @@ def run_engine(outdir, models, engine):
     os.makedirs(outdir, exist_ok=True)
     # A fresh extensions dir proves that nothing is compiled on the way.
     ext = os.path.join(outdir, "torch_extensions")
-    launch(config, [os.path.join(HERE, "engine_script.py"), str(outdir), *models, engine],
+    launch(config, [os.path.join(HERE, "support", "engine_script.py"), str(outdir), *models, engine],
            extra_env=dict(TORCH_EXTENSIONS_DIR=ext))
     assert not os.path.exists(ext) or not os.listdir(ext)
 
@@ -389,7 +389,7 @@ def test_preempted_killed_and_resumed_equal_the_uninterrupted_run(tmp_path, mode
         require_deepspeed()
     full = engine_runs(engine)["rpp_ref"]
     out = tmp_path / "rpp_ref" / "out"
-    script = [os.path.join(HERE, "engine_script.py"), str(tmp_path), *models, engine]
+    script = [os.path.join(HERE, "support", "engine_script.py"), str(tmp_path), *models, engine]
     config = CONFIG_FILES[engine]
     checkpoint = {n: str(out / f"checkpoint-{n}") for n in (1, 2, 3)}
     diffs = []

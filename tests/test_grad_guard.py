@@ -271,7 +271,7 @@ def test_limit_zero_stops_at_the_first_non_finite_step(tmp_path, tiny_model):
 
 
 def ranks_of(two_process_runs, mode):
-    """Both ranks' records of tests/grad_guard_script.py in `mode`, from the suite's two-process launch."""
+    """Both ranks' records of tests/support/grad_guard_script.py in `mode`, from the suite's two-process launch."""
     return [torch.load(two_process_runs / f"grad_guard_{mode}" / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -67,9 +67,9 @@ def _launch_sites(path):
 
 def test_no_launch_outside_launch_command():
     """A test that built its own `accelerate launch` command would fall back to the fixed default port."""
-    sites = {p.name: _launch_sites(p) for p in HERE.glob("*.py") if p.name not in ("trainer_helpers.py", "test_harness.py")}
+    sites = {p.name: _launch_sites(p) for p in HERE.rglob("*.py") if p.name not in ("trainer_helpers.py", "test_harness.py")}
     assert {name: s for name, s in sites.items() if s} == {}
-    assert _launch_sites(HERE / "trainer_helpers.py"), "the check reads constants: it finds the one real site"
+    assert _launch_sites(HERE / "support" / "trainer_helpers.py"), "the check reads constants: it finds the one real site"
 
 
 def test_a_launch_is_judged_by_every_process_reaching_its_end(tmp_path):

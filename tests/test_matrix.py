@@ -1,4 +1,4 @@
-"""The combination matrix (tests/matrix.py): its covering array covers every pair of values of two axes, each cell
+"""The combination matrix (tests/support/matrix.py): its covering array covers every pair of values of two axes, each cell
 trains two optimizer steps (finite loss, trainable weights moved, the documented metrics logged, an importance ratio
 of 1 on the first step where a float32 sampler logs one) or is refused when its config is built, and
 docs/robustness.md holds its table.
@@ -20,7 +20,7 @@ from test_vllm_engine import ENV, VLLM_ENV, run_script
 
 HERE = Path(__file__).resolve().parent
 ROBUSTNESS = HERE.parent / "docs" / "robustness.md"
-SCRIPT = str(HERE / "matrix.py")
+SCRIPT = str(HERE / "support" / "matrix.py")
 RATIO_TOL = 1e-3  # float32 sampler and trainer: TRL's first importance ratio is 1 within this
 RUN_TIMEOUT_S = 900
 
@@ -63,7 +63,7 @@ def test_the_coverage_check_finds_a_missing_pair():
 
 def test_robustness_md_holds_the_generated_table():
     text = ROBUSTNESS.read_text()
-    assert matrix.table() in text, "docs/robustness.md: regenerate the table with `python tests/matrix.py`"
+    assert matrix.table() in text, "docs/robustness.md: regenerate the table with `python tests/support/matrix.py`"
 
 
 def check_trains(cell, result):

@@ -1,7 +1,7 @@
 """Multi-turn rollouts through RPPTrainer: what each estimator does at environment tokens (`env_mask` 0, TRL's
-`tool_mask`), against the float64 reference (`tests/reference.py`).
+`tool_mask`), against the float64 reference (`tests/support/reference.py`).
 
-The rollout is `tests/multi_turn_script.py`'s `rollout_func`: two model turns, each sampled by the tiny model's
+The rollout is `tests/support/multi_turn_script.py`'s `rollout_func`: two model turns, each sampled by the tiny model's
 `generate`, the second conditioned on the prompt, the first turn and 1-3 environment tokens between them, plus one
 environment token after the last turn on every other completion. The model-token mask of every check is
 rebuilt from the rollout's own `env_mask`, never read from the trainer's batch.

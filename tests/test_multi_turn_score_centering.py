@@ -1,7 +1,7 @@
 """Score centering through multi-turn rollouts: TRL's tool loop (`tools`, `environment_factory`) and a `rollout_func`.
 
 Unit tests of `trl_rpp.records.multi_turn` against a plain simulation of TRL's tool loop; then real RPPTrainer runs on the
-tiny tool-calling model (`tests/tool_model.py`): the captured heads at the model tokens are the sampler's real
+tiny tool-calling model (`tests/support/tool_model.py`): the captured heads at the model tokens are the sampler's real
 distribution (recomputed in float64 from the initial weights), the centered gradient there is the single-turn
 formula of tests/test_score_centering.py with the holes masked, and NaN/Inf at the holes changes nothing.
 """

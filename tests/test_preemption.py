@@ -25,7 +25,7 @@ SPG = ("--steps_per_generation", "2")
 
 
 def command(*args, processes=1):
-    script = os.path.join(HERE, "resume_script.py")
+    script = os.path.join(HERE, "support", "resume_script.py")
     return launch_command(script, *args) if processes == 2 else [sys.executable, script, *args]
 
 

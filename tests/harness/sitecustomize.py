@@ -9,8 +9,8 @@ loads it as `sitecustomize` in each subprocess too: examples, the CLI, `accelera
   loopback in the tests.
 - vLLM. TRL imports vLLM with its GRPO trainer whenever vLLM is installed, about 5 CPU-seconds per process, in each
   of the suite's ~100 subprocesses. A subprocess sees vLLM only when its environment has `TRL_RPP_TESTS_VLLM=1`
-  (`with_vllm` in tests/trainer_helpers.py); the others run as on a machine without vLLM, the common install. The
-  pytest processes themselves, where most trainer tests run, keep vLLM (tests/conftest.py).
+  (`with_vllm` in tests/support/trainer_helpers.py); the others run as on a machine without vLLM, the common install.
+  The pytest processes themselves, where most trainer tests run, keep vLLM (tests/conftest.py).
 """
 
 import errno

@@ -261,7 +261,7 @@ def force_fsdp_on_cpu():
 
     original = AcceleratorState.__init__
     if "fsdp_plugin" not in inspect.signature(original).parameters:
-        raise RuntimeError(f"tests/engine_script.py's CPU FSDP shim needs AcceleratorState.__init__(fsdp_plugin=...), "
+        raise RuntimeError(f"tests/support/engine_script.py's CPU FSDP shim needs AcceleratorState.__init__(fsdp_plugin=...), "
                            f"which accelerate {accelerate.__version__} does not have: update the shim")
 
     def __init__(self, *args, fsdp_plugin=None, **kwargs):
@@ -269,7 +269,7 @@ def force_fsdp_on_cpu():
         if os.environ.get("ACCELERATE_USE_FSDP") != "true" or self.distributed_type == DistributedType.FSDP:
             return
         if self.distributed_type != DistributedType.MULTI_CPU:
-            raise RuntimeError(f"tests/engine_script.py's CPU FSDP shim expected accelerate {accelerate.__version__} "
+            raise RuntimeError(f"tests/support/engine_script.py's CPU FSDP shim expected accelerate {accelerate.__version__} "
                                f"to build a MULTI_CPU state for an FSDP launch on CPU, got {self.distributed_type}: "
                                f"update the shim")
         self.distributed_type = DistributedType.FSDP
@@ -299,7 +299,7 @@ FAULT_SAVE_STEPS = 10
 class WaitInStep(TrainerCallback):
     """Between the two micro-batches of optimizer step `step` (generated, one backward pass done), write
     `waiting_step<step>_rank<r>` (this pid) to the output folder and wait for a preemption signal or the parent's
-    `release` (tests/resume_script.py's `wait_for_signals`)."""
+    `release` (tests/support/resume_script.py's `wait_for_signals`)."""
 
     def __init__(self, trainer, step):
         self.trainer, self.step, self.done = trainer, step, False
@@ -345,7 +345,7 @@ def fault_phase(outdir, model_path, engine, phase):
                 os.kill(os.getpid(), signal.SIGKILL)  # a real kill -9: nothing after it runs
 
             # Every process dies once the model and optimizer of the checkpoint are written, before its RNG states
-            # and trainer_state.json (tests/checkpoint_faults.py).
+            # and trainer_state.json (tests/support/checkpoint_faults.py).
             install_kill("rng_start", kill_step, trainer, kill)
         try:
             trainer.train(resume_from_checkpoint=resume)

@@ -1,4 +1,4 @@
-"""Shared helpers of the trainer tests (imported by them and by tests/dist_trainer_script.py; fixtures live in
+"""Shared helpers of the trainer tests (imported by them and by tests/support/dist_trainer_script.py; fixtures live in
 tests/conftest.py): a recording RPPTrainer, the small default config, the initial model's log-probs, and the one way
 the tests start `accelerate launch` (on a port of their own)."""
 

@@ -1,5 +1,5 @@
 """The cases of tests/test_trainer_distributed.py, run under `accelerate launch --multi_gpu --num_processes 2` (gloo on
-CPU) by tests/two_process_script.py, or alone:
+CPU) by tests/support/two_process_script.py, or alone:
 
     dist_trainer_script.py OUTDIR MODEL EOS_MODEL ESTIMATOR:MODE [ESTIMATOR:MODE ...]
 

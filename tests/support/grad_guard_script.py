@@ -3,7 +3,7 @@ that makes the final hidden states infinite at chosen steps' loss forward), a ca
 the optimizer state around every optimizer step, and, run as a script under `accelerate launch --num_processes 2`
 (gloo on CPU), a two-process run that injects the fault on rank 0 only and saves what each rank saw.
 
-    python -m accelerate.commands.launch --multi_gpu --num_processes 2 tests/grad_guard_script.py OUT MODEL MODE
+    python -m accelerate.commands.launch --multi_gpu --num_processes 2 tests/support/grad_guard_script.py OUT MODEL MODE
 """
 
 import os

@@ -245,7 +245,7 @@ def make_config(outdir, name, estimator, overrides, zero3=False):
         vllm_max_model_length=64,
     )
     # DeepSpeed on CPU needs use_cpu=False with gloo; plain DDP needs use_cpu=True (use_cpu=False without a GPU
-    # runs each rank alone), as in tests/engine_script.py.
+    # runs each rank alone), as in tests/support/engine_script.py.
     base.update(dict(use_cpu=False, ddp_backend="gloo") if zero3 else dict(use_cpu=True))
     base.update(overrides)
     return RPPConfig(**base)
@@ -424,7 +424,7 @@ def main():
     initial_probe = policy_logps(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval(),
                                  probe_ids).tolist()
     if group == "zero3":
-        # As in tests/engine_script.py: DeepSpeed's collectives through torch.distributed (gloo), not a shared-memory
+        # As in tests/support/engine_script.py: DeepSpeed's collectives through torch.distributed (gloo), not a shared-memory
         # kernel compiled at run time.
         import deepspeed.ops
 

@@ -1,4 +1,4 @@
-"""Faults at given points of a checkpoint's write, for tests/resume_script.py (a real SIGKILL, or a pause for a
+"""Faults at given points of a checkpoint's write, for tests/support/resume_script.py (a real SIGKILL, or a pause for a
 signal) and for in-process tests (an OSError such as a full disk). Importing it changes nothing."""
 
 import io

@@ -5,9 +5,9 @@ OUTDIR/<part>/; the parts run one after the other in both processes.
 
     two_process_script.py OUTDIR MODEL EOS_MODEL
 
-- trainer: tests/dist_trainer_script.py's cases (tests/test_trainer_distributed.py);
-- grad_guard_skip, grad_guard_stop: tests/grad_guard_script.py (tests/test_grad_guard.py);
-- multi_turn: tests/multi_turn_script.py (tests/test_multi_turn.py);
+- trainer: tests/support/dist_trainer_script.py's cases (tests/test_trainer_distributed.py);
+- grad_guard_skip, grad_guard_stop: tests/support/grad_guard_script.py (tests/test_grad_guard.py);
+- multi_turn: tests/support/multi_turn_script.py (tests/test_multi_turn.py);
 - server_unreachable: `server_unreachable` below (tests/test_server_sync.py).
 """
 

@@ -36,7 +36,7 @@ from trainer_helpers import LAUNCH_ENV, finish_launched, launch_command, length_
 from vllm_engine_script import PROBE_TEXT, ProbingTrainer, policy_logps, tensors_to_lists  # noqa: E402
 from trl_rpp.records.generation import current_record  # noqa: E402
 
-DDP_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+DDP_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
                           "accelerate_configs", "ddp.yaml")
 REFUSED_TIMEOUT_S = 240  # a process left waiting at a collective fails the test instead of blocking CI
 
