@@ -350,9 +350,11 @@ def slug(heading):
 
 
 def test_every_relative_link_resolves():
-    """Links between the README and docs/ (and to files of the repository) point at files that exist and at headings
+    """Links between the README, docs/ and the benchmarks' READMEs (and to files of the repository) point at files
+    that exist and at headings
     (or `<a id>` anchors) that exist, so moving a section cannot leave a dead link."""
-    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "CHANGELOG.md"]
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "CHANGELOG.md",
+             *sorted((REPO / "benchmarks").rglob("README.md"))]
     dead = []
     for page in pages:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
