@@ -66,7 +66,8 @@ import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for p in (ROOT, os.path.join(ROOT, "tests"), HERE):  # library, tests/ helpers and the other benchmarks by import
+for p in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "support"), HERE):  # library, tests/ and
+    # their helpers (tests/support/), and the other benchmarks, by import
     if p not in sys.path:
         sys.path.insert(0, p)
 warnings.filterwarnings("ignore")
