@@ -221,6 +221,7 @@ def test_every_link_of_trls_card_for_a_run_is_in_ours(tmp_path, tiny_model, monk
         theirs, ours = cards(model_name="tiny-rpp", dataset_name="openai/gsm8k", tags=["my-tag"])
     finally:
         wandb.finish()
+        wandb.teardown()  # W&B keeps this run's settings (its dir) process-wide: the next test's run starts afresh
     assert {wandb_url, trackio_url, comet_url} <= _links(theirs)  # TRL saw the three runs
     assert _links(theirs) <= _links(ours), _links(theirs) - _links(ours)
     their_tags, our_tags = ModelCard(theirs).data.tags, ModelCard(ours).data.tags
