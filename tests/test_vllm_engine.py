@@ -617,8 +617,7 @@ LIMIT_S = 5.0
 
 
 def test_a_server_that_stops_answering_fails_the_call_within_the_time_limit(vllm_server):
-    """What RPPTrainer installs on process 0's client in server mode (`guard_server_client`, through
-    `guard_client`): the server, stopped with SIGSTOP, accepts the request and never answers; after the 5 s limit
+    """What RPPTrainer installs on process 0's client in server mode (`guard_client`): the server, stopped with SIGSTOP, accepts the request and never answers; after the 5 s limit
     (TRL's client alone would send it six times, with 60 s of back-off between), the call returns one EOS per
     completion, which TRL would broadcast, and keeps the failure for `EngineFaults.settle`. The same client, guarded,
     gets the server's completions before and after."""

@@ -68,7 +68,7 @@ from .distributed import check_normalization_group
 from .engines.vllm_colocate import use_weight_sync
 from .engines.vllm_server import check_at_construction
 from .faults.checkpoint import resolve_resume_checkpoint, restore_buffer_on_resume, save_checkpoint
-from .faults.engine import EngineFaults, first_eos, generate_vllm_with_topk, guard_server_client
+from .faults.engine import EngineFaults, first_eos, generate_vllm_with_topk, guard_client
 from .faults.gradients import GradGuardMixin
 from .faults.inputs import check_dataset_not_empty, check_prompt_column
 from .faults.preemption import Preemption
@@ -194,8 +194,12 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         use_weight_sync(self, disk_sync)  # a CPU engine, or a server through a directory, needs its own (trl_rpp.engines)
         if self._rpp_width and args.use_vllm:
             request_logprobs(self.vllm_generation, self._rpp_width)
-        # vLLM server mode: a failed call is kept in the faults of the batch being generated (trl_rpp.faults.engine)
-        guard_server_client(self, lambda: current_record("the vLLM server's answer").engine_faults)
+        # vLLM server mode, on process 0 (TRL's only client): a failed call is kept in the faults of the batch being
+        # generated, and each request has a time limit (trl_rpp.faults.engine)
+        if args.use_vllm and args.vllm_mode == "server" and self.accelerator.is_main_process:
+            faults = lambda: current_record("the vLLM server's answer").engine_faults  # noqa: E731
+            guard_client(self.vllm_generation.vllm_client, faults, first_eos(self.eos_token_ids),
+                         args.vllm_server_request_timeout)
         if self._rpp_width:
             users = [name for name, on in (("score_centering=True", args.score_centering),
                                            ("a replayed truncating sampler", bound is not None)) if on]

@@ -10,7 +10,7 @@ engine, the process, the step and the cause, and the checkpoint a resume would s
 the empty completions, and no checkpoint is written after the failure.
 
 A server is called by process 0 alone, between TRL's gather of every process's prompts and its broadcast of the
-completions, so there the guard sits on the client (`guard_server_client`): a failed call is answered with the same
+completions, so there the guard sits on the client (`guard_client`): a failed call is answered with the same
 empty completions, which TRL broadcasts, and the others reach the broadcast. The client also gets a time limit per
 request (`RPPConfig.vllm_server_request_timeout`; TRL's sets none), and a request that timed out or failed
 mid-answer is not sent again (TRL's client would send it up to 5 more times, with 60 s of back-off between them).
@@ -102,21 +102,12 @@ def first_eos(eos_token_ids) -> int:
     return eos_token_ids[0] if isinstance(eos_token_ids, (list, tuple)) else eos_token_ids
 
 
-def guard_server_client(trainer, faults):
-    """In vLLM server mode, on process 0 (TRL's only client): `guard_client` on TRL's `VLLMClient`, with the config's
-    `vllm_server_request_timeout`. `faults()` gives the `EngineFaults` of the batch being generated. It takes TRL's
-    trainer for its client, which TRL builds on process 0 alone."""
-    args = trainer.args
-    if args.use_vllm and args.vllm_mode == "server" and trainer.accelerator.is_main_process:
-        guard_client(trainer.vllm_generation.vllm_client, faults, first_eos(trainer.eos_token_ids),
-                     args.vllm_server_request_timeout)
-
-
 def guard_client(client, faults, eos: int, timeout: float | None):
-    """A `VLLMClient` that answers a failed `generate` with one `eos` per completion (log-prob 0), keeping the failure
-    in `faults()` (the `EngineFaults` of the batch being generated) for `EngineFaults.settle`, so that process 0
-    reaches TRL's broadcast; each request waits at most `timeout` seconds (None: no limit), and a read that timed out
-    is not resent (`trl_rpp.patches.guard_server_client`)."""
+    """In vLLM server mode, on process 0 (TRL's only client): TRL's `VLLMClient` `client` answers a failed `generate`
+    with one `eos` per completion (log-prob 0), keeping the failure in `faults()` (the `EngineFaults` of the batch
+    being generated) for `EngineFaults.settle`, so that process 0 reaches TRL's broadcast; each request waits at most
+    `timeout` seconds (None: no limit), and a read that timed out is not resent
+    (`trl_rpp.patches.guard_server_client`)."""
 
     def failed_answer(err, prompts, n):
         faults().record(err)
