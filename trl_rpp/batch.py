@@ -30,7 +30,6 @@ class PolicyForward:
     entropies: torch.Tensor
     aux_loss: torch.Tensor | None = None
     head_logps: torch.Tensor | None = None
-    closed: torch.Tensor | None = None  # [B, T] heads holding the whole replayed kept set (replay with score centering)
 
 
 def sampler_batch_keys(capture, support, T: int, device, head_width: int) -> dict[str, torch.Tensor]:

@@ -442,7 +442,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         support = inputs["sampler_support_ids"] if self._rpp_bound is not None else None
         picked, entropies = head_logps(model, input_ids, attention_mask, ids, support, self.temperature,
                                        self.accelerator.autocast, token_mask(inputs))
-        return PolicyForward(picked[..., 0], entropies, head_logps=picked[..., 1:], closed=self._closed_heads(inputs))
+        return PolicyForward(picked[..., 0], entropies, head_logps=picked[..., 1:])
 
     def _loss_advantages(self, mode, inputs, logps):
         """Advantages ``[B, T]`` and pi_old ``[B, T]`` (None when the batch stores none) that the loss uses. Deferred
@@ -466,7 +466,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         return score_centered_ppo_loss(
             fwd.logps, old_logps, advantages, mask, fwd.head_logps, inputs["sampler_head_logps"], *eps,
             importance_weights=is_weights, weight_fn=self._rpp_weight_fn if is_weights is not None else None,
-            closed=fwd.closed,
+            closed=self._closed_heads(inputs),
         )
 
     def _closed_heads(self, inputs):
@@ -485,7 +485,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         scalars = {"policy_loss": policy_loss, **({"kl_loss": kl_loss} if kl_loss is not None else {}),
                    **({"aux_loss": fwd.aux_loss} if self.aux_loss_enabled else {})}
         sampler = None if fwd.head_logps is None else (
-            fwd.head_logps, inputs["sampler_head_logps"], inputs["sampler_per_token_logps"], fwd.closed)
+            fwd.head_logps, inputs["sampler_head_logps"], inputs["sampler_per_token_logps"], self._closed_heads(inputs))
         sums, means, per_token = loss_statistics(fwd.logps.detach(), old_logps, fwd.entropies.detach(), advantages,
                                                  mask, self.epsilon_low, self.epsilon_high, scalars, sampler)
         v = reduce_across_processes(self.accelerator.gather, sums=sums, means=means,
