@@ -153,6 +153,7 @@ GRPO_FIELDS = {
 }
 
 RPP, BASE = ESTIMATORS
+_SERVER = dict(use_vllm=True, vllm_mode="server", vllm_server_weight_sync="disk", vllm_server_weight_dir="/tmp/w")
 # RPPConfig's own fields, for each estimator: "honored" (settings, value) where it reads the field, a non-default value
 # that takes effect; "ignored" (settings, values) where, under those settings, it never reads the field, so that these
 # values must raise instead of being silently ignored. Recipes and range checks are tested in test_config.py.
@@ -201,6 +202,12 @@ RPP_FIELDS = {
         honored={RPP: (dict(use_vllm=True, vllm_mode="server", vllm_server_weight_sync="disk"), "/tmp/w"),
                  BASE: (dict(use_vllm=True, vllm_mode="server", vllm_server_weight_sync="disk"), "/tmp/w")},
         ignored={RPP: ({"use_vllm": True, "vllm_mode": "server"}, ["/tmp/w"]), BASE: ({}, ["/tmp/w"])},
+    ),
+    # Read by the trainer with a vLLM server (trl_rpp.engines.ahead); colocated vLLM and generate refuse it.
+    "max_staleness": dict(
+        honored={RPP: (dict(_SERVER, vllm_importance_sampling_mode="token_truncate"), 1),
+                 BASE: (dict(_SERVER, vllm_importance_sampling_correction=False), 1)},
+        ignored={RPP: ({"use_vllm": False}, [1]), BASE: ({"use_vllm": True, "vllm_mode": "colocate"}, [1])},
     ),
     # Read by trl_rpp.faults.gradients, except under fp16's gradient scaler (and DeepSpeed), which skip such steps themselves.
     "max_consecutive_skipped_steps": dict(
@@ -267,6 +274,8 @@ def test_rpp_settings_an_estimator_never_reads_are_rejected(name, estimator, set
                else "use_vllm=False",
                "vllm_server_weight_sync": f"use_vllm={settings.get('use_vllm', False)!r}, vllm_mode="
                f"{settings.get('vllm_mode', 'colocate')!r}", "vllm_server_weight_dir": "vllm_server_weight_sync='nccl'",
+               "max_staleness": f"use_vllm={settings.get('use_vllm', False)!r}, vllm_mode="
+               f"{settings.get('vllm_mode', 'colocate')!r}",
                }.get(name, f"advantage_estimator={estimator!r}")
     assert context in message and "accepted: " in message, message
 

@@ -194,7 +194,7 @@ def test_the_vllm_branch_that_patches_vllm_generate_copies_is_unchanged():
     not silently dropped."""
     from trl import GRPOTrainer
 
-    from trl_rpp.patches import vllm_generate
+    from trl_rpp.patches import sync_engine_weights, vllm_generate
 
     [theirs] = _calls_of(GRPOTrainer._generate_single_turn, "self.vllm_generation.generate")
     [ours] = _calls_of(vllm_generate, "trainer.vllm_generation.generate")
@@ -202,7 +202,33 @@ def test_the_vllm_branch_that_patches_vllm_generate_copies_is_unchanged():
         "images", "num_generations", "profiler", "prompts"]  # fmt: skip
     assert not theirs.args and not ours.args
     [sync] = _calls_of(GRPOTrainer._generate_single_turn, "self.vllm_generation.sync_weights")
-    assert _calls_of(vllm_generate, "trainer.vllm_generation.sync_weights")
+    assert _calls_of(sync_engine_weights, "trainer.vllm_generation.sync_weights")
+    assert _calls_of(vllm_generate, "sync_engine_weights")
+
+
+def test_the_server_request_that_patches_server_generate_copies_is_unchanged():
+    """`server_generate` (the batch sampled ahead, `trl_rpp.engines.ahead`) sends GRPO's server request: the same
+    sampling parameters as the server branch of `VLLMGeneration.generate`, and the same call of the client. A
+    parameter TRL adds must be added there too, not silently dropped."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from trl_rpp.patches import SERVER_SAMPLING, server_generate
+
+    tree = _function_node(VLLMGeneration.generate)
+    dicts = [n for n in ast.walk(tree) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "sampling_params"
+             and isinstance(n.value, ast.Dict)]
+    server = [d for d in dicts if "max_tokens" in {k.value for k in d.value.keys}
+              and "structured_outputs_regex" in {k.value for k in d.value.keys}]
+    assert len(server) == 1, "VLLMGeneration.generate's server branch no longer builds one `sampling_params` dict"
+    assert sorted(k.value for k in server[0].value.keys) == sorted(SERVER_SAMPLING)
+    [theirs] = _calls_of(VLLMGeneration.generate, "self.vllm_client.generate")
+    [ours] = [n for n in ast.walk(_function_node(server_generate))  # inside the request it returns
+              if isinstance(n, ast.Call) and ast.unparse(n.func) == "g.vllm_client.generate"]
+    assert sorted(str(k.arg) for k in theirs.keywords) == sorted(str(k.arg) for k in ours.keywords) == [
+        "None", "features", "prompts"]  # prompts=, features=, **sampling_params
+    source = inspect.getsource(server_generate)
+    for name in SERVER_SAMPLING:
+        assert f"{name}=" in source, name
 
 
 def test_tool_suffix_reads_only_what_the_tool_model_stand_in_has():

@@ -20,9 +20,11 @@ PACKAGE = Path(patches.__file__).parent
 # A new assignment on a foreign object fails `test_no_module_but_patches_assigns_foreign_attributes` until it moves
 # into `trl_rpp.patches` (or, if it is an object of ours or a documented public field, is added here with why).
 OWN_OR_PUBLIC = {
-    "trainer.py": dict.fromkeys(("record.topk", "record.support", "record.tie_overflow",
+    "trainer.py": dict.fromkeys(("record.topk", "record.support", "record.tie_overflow", "record.weight_version",
                                  "current_record('scoring the completions').rewards_per_func"),
                                 "our GenerationRecord (trl_rpp.records.generation)"),
+    "engines/ahead.py": {"record.weight_version": "our GenerationRecord (trl_rpp.records.generation)",
+                         **dict.fromkeys(("pending.answer", "pending.seconds", "pending.thread"), "our Pending")},
     "cli.py": {"training_args.model_init_kwargs": "a GRPOConfig field, set as TRL's scripts set it",
                "action.help": "argparse's public `Action.help`"},
     "config.py": {"RPPConfig.__doc__": "our class's docstring",
@@ -243,6 +245,10 @@ MOVED_TARGET = {
     "disk_weight_sync": lambda mp: patches.disk_weight_sync(types.SimpleNamespace(sync_weights=print), print),
     "request_logprobs": lambda mp: patches.request_logprobs(types.SimpleNamespace(), 4),
     "vllm_generate": lambda mp: patches.vllm_generate(types.SimpleNamespace(), [], None, 1),
+    "sync_engine_weights": lambda mp: patches.sync_engine_weights(types.SimpleNamespace()),
+    "wrap_weight_sync": lambda mp: patches.wrap_weight_sync(types.SimpleNamespace(sync_weights=print), print),
+    "tokenize_prompts": lambda mp: patches.tokenize_prompts(types.SimpleNamespace(), []),
+    "server_generate": lambda mp: patches.server_generate(types.SimpleNamespace(), [], 1),
     "guard_server_client": lambda mp: patches.guard_server_client(types.SimpleNamespace(generate=print), print, 1.0),
     "generate_with_processor": lambda mp: _enter(patches.generate_with_processor(
         types.SimpleNamespace(generate=print), print, last=True)),

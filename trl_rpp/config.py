@@ -260,6 +260,20 @@ class RPPConfig(GRPOConfig):
         },
     )
 
+    max_staleness: int = field(
+        default=0,
+        metadata={
+            "help": "How many generation batches old the batch trained at each step may be: the lag between the "
+            "weights that sampled it and the weights that train on it (`docs/off_policy.md`). `0` samples each batch "
+            "with the current weights, generation and training taking turns. `1` samples batch t+1 on the vLLM server "
+            "while batch t trains: at each generation batch the trainer awaits it, syncs its weights to the idle "
+            "server, sends the next batch's prompts and trains (`trl_rpp.engines.ahead`). Each trained batch is then "
+            "exactly 1 batch old, except the first of a run and of each epoch (0), and `sampling/staleness` logs it. "
+            "TRL's importance-sampling ratio corrects toward pi_old, computed by the trainer when it trains the "
+            "batch. Accepted values: `0`, and `1` with `use_vllm=True, vllm_mode=\"server\"` on either weight transport.",
+        },
+    )
+
     max_consecutive_skipped_steps: int = field(
         default=_MAX_CONSECUTIVE_SKIPPED_STEPS,
         metadata={
@@ -483,6 +497,18 @@ _RULES = [
           under="vllm_server_weight_sync='disk'"),
     _Rule("vllm_server_weight_dir", _equals(None), "None", "Only the disk transport reads it.",
           when=lambda c: c.vllm_server_weight_sync != "disk", under="vllm_server_weight_sync={vllm_server_weight_sync!r}"),
+    _Rule("max_staleness", lambda x: x in (0, 1) and not isinstance(x, bool), "0 or 1",
+          "One generation batch is in flight at a time, so a batch is at most one batch old."),
+    _Rule("max_staleness", _equals(0), "0", "A batch is generated ahead on a vLLM server, which runs on devices of its "
+          "own; colocated vLLM and transformers' generate run on the trainer's, so generation and training could not "
+          "overlap.", when=lambda c: not (c.use_vllm and c.vllm_mode == "server"),
+          under="use_vllm={use_vllm!r}, vllm_mode={vllm_mode!r}"),
+    _Rule("vllm_importance_sampling_mode", lambda x: x in ("token_truncate", "token_mask"),
+          "'token_truncate', 'token_mask' (or vllm_importance_sampling_correction=False)",
+          "A sequence-level weight is the product of its tokens' ratios: one batch stale, a mean log-ratio of 0.005 "
+          "over 300 tokens gives exp(1.5) = 4.5, past the default cap of 3, and sequence_mask drops the whole "
+          "response.", when=lambda c: c.max_staleness and c.use_vllm and c.vllm_importance_sampling_correction,
+          under="max_staleness={max_staleness!r}"),
     _Rule("normalize_advantages", bool, "True", "Both estimators are defined with global advantage normalization.",
           under=_EST),
     _Rule("gamma", lambda x: _real(x) and 0.0 <= x <= 1.0, "a float in [0, 1]",

@@ -24,7 +24,11 @@ upgrade, re-check each row (tests/test_package.py pins the TRL source each one r
 | `generate_with_processor` | transformers, PEFT | `generate` and `GenerationMixin._get_logits_processor` of the model instance, during a call | the sampler's record runs as a logits processor, first, last, or after every warper |
 | `head_reader_forward` | transformers, TRL | `forward` of the model instance | `rpp_read_head=` returns what a reader makes of the final hidden states and the head (TRL's `maybe_gather_lm_head_ctx` gathers a ZeRO-3 head) |
 | `restore_generation_buffer` | TRL | `GRPOTrainer._buffered_inputs`, `_step` | a resumed run trains on the saved generation batch |
-| `vllm_generate` | TRL | `GRPOTrainer._last_loaded_step` | GRPO's vLLM branch of `_generate_single_turn` up to the engine's answer, copied (its log-prob lists are kept) |
+| `vllm_generate` | TRL | `VLLMGeneration.generate` | GRPO's vLLM branch of `_generate_single_turn` up to the engine's answer, copied (its log-prob lists are kept) |
+| `sync_engine_weights` | TRL | `GRPOTrainer._last_loaded_step` | GRPO's weight sync before a generation, copied: once per optimizer step |
+| `wrap_weight_sync` | TRL | `VLLMGeneration.sync_weights` of the instance | every sync first awaits the batch in flight (`max_staleness`) |
+| `tokenize_prompts` | TRL | `GRPOTrainer._tokenize_prompts` | read: a batch's prompt ids, for the batch sent to the server ahead |
+| `server_generate` | TRL | `VLLMGeneration.generate`'s server branch | its request and sampling parameters, copied, to run in a thread |
 | `synced_params` | TRL | `VLLMGeneration._iter_named_params` | read: the weights TRL's sync sends, for the disk transport |
 | `generation_buffer` | TRL | `GRPOTrainer._buffered_inputs`, `_step` | read: the buffered generation batch a checkpoint saves |
 | `checkpoint_folder_root` | transformers | `Trainer._get_output_dir` | read: where `Trainer._save_checkpoint` writes a checkpoint |
@@ -380,16 +384,83 @@ def vllm_generate(trainer, prompt_ids, images, num_generations):
     the copied branch reads its engine and `_last_loaded_step`."""
     from trl.extras.profiling import profiling_context
 
-    _expect(hasattr(trainer, "_last_loaded_step"), "vllm_generate", "trl",
+    _expect(_has_callable(getattr(trainer, "vllm_generation", None), "generate"), "vllm_generate", "trl",
+            "GRPOTrainer generates with `vllm_generation.generate(prompts=, images=, num_generations=, profiler=)`")
+    sync_engine_weights(trainer)
+    return trainer.vllm_generation.generate(
+        prompts=prompt_ids, images=images, num_generations=num_generations,
+        profiler=profiling_context(trainer, "vLLM.generate"),
+    )
+
+
+@_patch("trl")
+def sync_engine_weights(trainer) -> None:
+    """GRPO's weight sync before a generation, copied from its vLLM branch of `_generate_single_turn`: when the
+    optimizer step changed since the last sync (`_last_loaded_step`), push the weights to the engine. It takes TRL's
+    trainer: it reads and writes `_last_loaded_step`."""
+    from trl.extras.profiling import profiling_context
+
+    _expect(hasattr(trainer, "_last_loaded_step"), "sync_engine_weights", "trl",
             "GRPOTrainer syncs the engine's weights when `state.global_step` differs from `_last_loaded_step`")
     if trainer.state.global_step != trainer._last_loaded_step:
         with profiling_context(trainer, "sync_weights"):
             trainer.vllm_generation.sync_weights()
         trainer._last_loaded_step = trainer.state.global_step
-    return trainer.vllm_generation.generate(
-        prompts=prompt_ids, images=images, num_generations=num_generations,
-        profiler=profiling_context(trainer, "vLLM.generate"),
-    )
+
+
+@_patch("trl")
+def wrap_weight_sync(vllm_generation, before) -> None:
+    """Make `vllm_generation.sync_weights` (TRL's, or the transport that replaced it) call ``before()`` first: the
+    batch in flight is awaited before any weight changes on the server (`trl_rpp.engines.ahead`)."""
+    _expect_sync(vllm_generation, "wrap_weight_sync")
+    sync = vllm_generation.sync_weights
+
+    def sync_weights():
+        before()
+        sync()
+
+    vllm_generation.sync_weights = sync_weights
+
+
+@_patch("trl")
+def tokenize_prompts(trainer, prompts):
+    """Read: the prompts' token ids as GRPO's `_generate` makes them (`GRPOTrainer._tokenize_prompts`, a text
+    model's), for a batch sent to the server before GRPO generates it (`trl_rpp.engines.ahead`)."""
+    _expect(_has_callable(trainer, "_tokenize_prompts"), "tokenize_prompts", "trl",
+            "GRPOTrainer tokenizes a batch's prompts with `_tokenize_prompts(prompts)`, returning (prompt_ids, "
+            "images, multimodal_fields)")
+    prompt_ids, images, _ = trainer._tokenize_prompts(prompts)
+    if images is not None:
+        raise ValueError("a prompt of the batch sampled ahead holds images, which it does not send")
+    return prompt_ids
+
+
+# The sampling parameters of GRPO's server branch of `VLLMGeneration.generate` (tests/test_package.py compares).
+SERVER_SAMPLING = ("n", "repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_tokens", "logprobs",
+                   "structured_outputs_regex", "generation_kwargs")
+
+
+@_patch("trl")
+def server_generate(vllm_generation, prompts, num_generations: int):
+    """Process 0, in server mode: the request of GRPO's server branch of `VLLMGeneration.generate` for the unique
+    `prompts` (token ids, every process's), with its sampling parameters, as a call that returns its
+    ``(prompt_ids, completion_ids, logprobs, logprob_token_ids)`` for every completion. Copied so that the request
+    can run in a thread while its gather and broadcast stay in the main thread (`trl_rpp.engines.ahead`)."""
+    names = ("vllm_client", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length",
+             "logprobs", "structured_outputs_regex", "generation_kwargs")
+    _expect(all(hasattr(vllm_generation, n) for n in names) and _has_callable(vllm_generation.vllm_client, "generate"),
+            "server_generate", "trl", f"VLLMGeneration holds {', '.join(names)} and calls `vllm_client.generate`")
+    g = vllm_generation
+    params = dict(n=num_generations, repetition_penalty=g.repetition_penalty, temperature=g.temperature,
+                  top_p=g.top_p, top_k=g.top_k, min_p=0.0 if g.min_p is None else g.min_p,
+                  max_tokens=g.max_completion_length, logprobs=g.logprobs,
+                  structured_outputs_regex=g.structured_outputs_regex, generation_kwargs=g.generation_kwargs)
+
+    def request():
+        out = g.vllm_client.generate(prompts=prompts, features=None, **params)
+        return out["prompt_ids"], out["completion_ids"], out["logprobs"], out.get("logprob_token_ids")
+
+    return request
 
 
 @_patch("trl", "requests")

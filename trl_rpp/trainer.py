@@ -11,13 +11,18 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
                                        checks (`records.settings`), a LoRA head's reader (`records.head`)
     train                              on resume: the newest complete checkpoint (True) or refuses a named torn one,
                                        then GRPO's, under the preemption signal handlers (`faults.preemption`)
-    _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step
+    _load_optimizer_and_scheduler      on resume: the saved generation batch -> self._buffered_inputs, self._step;
+                                       with max_staleness=1, the batch that was in flight -> self._rpp_ahead
+    get_batch_samples                  max_staleness=1: Trainer's epoch iterator read ahead (`engines.ahead.Lookahead`)
+    _prepare_inputs                    max_staleness=1: counts the items it trains on, then GRPO's
     -- once per generation batch (GRPO's `_prepare_inputs`) --
     _generate_and_score_completions    GRPO's inside `borrowed_beta` (reference log-probs) and inside `recording`:
                                        the batch's `GenerationRecord` (`records.generation`) is the context's
                                        current record, never a trainer attribute, while GRPO calls:
-        _generate                      `_sample`s the batch, makes its record the current one (`use_record`), and
-                                       logs `sampling/tie_overflow`
+        _generate                      `_sample`s the batch, makes its record the current one (`use_record`);
+                                       with max_staleness=1 syncs the weights and launches the next batch
+                                       (`_launch_next`, `engines.ahead`); logs `sampling/tie_overflow` and, with a
+                                       server, `sampling/staleness` (from record.weight_version)
           _sample                      GRPO's `_generate` under a record of its own: the sampler record (score
                                        centering's top-k, or a truncating sampler's kept sets and log q_S), per
                                        call (or a rollout_func's lists), aligned to the model tokens of the final
@@ -25,7 +30,9 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
                                        the kept ids [B, T, K]                           -> record.support
             _generate_single_turn      once per turn (the tool loop calls it again)     -> record.captures; with
                                        vLLM, an engine failure -> record.engine_faults, raised on every process
-                                       right after GRPO's `_generate` (`faults.engine`)
+                                       right after GRPO's `_generate` (`faults.engine`); the weights' step ->
+                                       record.weight_version; with max_staleness=1 the answer is the batch
+                                       launched at the previous generation batch (`engines.ahead`)
         _get_per_token_logps_and_entropies   GRPO's pi_old and reference forwards: with replay, log pi(y | S_t)
                                        over record.support (`records.replay`), so TRL's IS ratio is exact; with
                                        a LoRA adapter on the head, the full softmax read from the head in tiles
@@ -37,8 +44,9 @@ Hook map. The GRPOTrainer members overridden here, in the order a run calls them
     _compute_loss                      `_policy_forward`, `_loss_advantages`, `_policy_loss`, `_kl_loss`, metrics
                                        (whose gather carries the preemption flag)
     _get_grad_norm                     per optimizer step (`faults.gradients`): a NaN/Inf norm skips the step
-    _save_checkpoint                   the buffered generation batch (self._buffered_inputs) first, then GRPO's; a
-                                       failed write (OSError) is raised as a CheckpointSaveError naming the folder
+    _save_checkpoint                   the buffered generation batch (self._buffered_inputs) and, with
+                                       max_staleness=1, the batch in flight, awaited, first; then GRPO's; a failed
+                                       write (OSError) is raised as a CheckpointSaveError naming the folder
     create_model_card                  after training, on demand: TRL's card, then ours on it (`trl_rpp.model_card`)
 
 Batch keys written at generation and read by `_compute_loss` (``B`` local rows, ``T`` completion positions):
@@ -65,6 +73,7 @@ from .config import RPPConfig
 from .core import global_masked_normalize, group_mean_advantages, kl_k1, masked_response_mean, reinforce_pp_returns
 from .core import response_mean_k2_loss, response_mean_ppo_loss
 from .distributed import check_normalization_group
+from .engines.ahead import check_generation_ahead, generation_ahead
 from .engines.vllm_colocate import use_weight_sync
 from .engines.vllm_server import check_at_construction
 from .faults.checkpoint import resolve_resume_checkpoint, restore_buffer_on_resume, save_checkpoint
@@ -140,6 +149,9 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
        `environment_factory` is given) or an empty training dataset raises a `ValueError` before any model is loaded.
     14. **Parallelism.** Tensor, context and sequence parallelism (`tp_size`, `cp_size` or `sp_size` > 1) raise a
        `ValueError`: the normalization counts every process's tokens once.
+    15. **Generation ahead** (`max_staleness=1`, a vLLM server): batch t+1 is sampled on the server while batch t is
+       scored and trained, one generation batch stale; the weights are synced while the server is idle, never with
+       a request in flight, and a checkpoint stores the batch in flight (`trl_rpp.engines.ahead`).
     """
 
     _tag_names = ["trl", "rpp", "reinforce-plus-plus"]
@@ -161,6 +173,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             check_prompt_column(train_dataset, "train_dataset")
             check_prompt_column(eval_dataset, "eval_dataset")
         check_dataset_not_empty(train_dataset, "train_dataset")
+        check_generation_ahead(args, kwargs.get("tools"), kwargs.get("rollout_func"), kwargs.get("environment_factory"))
         reward_funcs, self._rpp_reward_faults = guard_reward_funcs(reward_funcs, args)  # trl_rpp.faults.rewards
         kwargs.update(train_dataset=train_dataset, eval_dataset=eval_dataset)
         self._rpp_needs_ref = args.kl_coef != 0.0 or args.use_kl_loss
@@ -192,6 +205,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
                 "none: this TRL version no longer builds it when beta != 0."
             )
         use_weight_sync(self, disk_sync)  # a CPU engine, or a server through a directory, needs its own (trl_rpp.engines)
+        check_generation_ahead(args, is_vlm=self._is_vlm)
+        self._rpp_ahead = generation_ahead(self)  # max_staleness=1: the batch in flight (trl_rpp.engines.ahead)
         if self._rpp_width and args.use_vllm:
             request_logprobs(self.vllm_generation, self._rpp_width)
         # vLLM server mode, on process 0 (TRL's only client): a failed call is kept in the faults of the batch being
@@ -235,15 +250,42 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # Before Trainer loads anything: True skips torn checkpoints (with a warning), a named torn one is refused.
         resume_from_checkpoint = resolve_resume_checkpoint(self, resume_from_checkpoint)
-        with self._rpp_preemption:  # SIGTERM/SIGUSR1: finish the step, save, raise TrainingPreempted
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            with self._rpp_preemption:  # SIGTERM/SIGUSR1: finish the step, save, raise TrainingPreempted
+                return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            if self._rpp_ahead is not None:  # a batch still in flight (training stopped early) is dropped
+                self._rpp_ahead.close()
 
     def _save_checkpoint(self, model, trial):
-        save_checkpoint(self, trial, lambda: super(RPPTrainer, self)._save_checkpoint(model, trial))
+        save_checkpoint(self, trial, lambda: super(RPPTrainer, self)._save_checkpoint(model, trial), self._rpp_ahead)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        restore_buffer_on_resume(self, checkpoint)
+        restore_buffer_on_resume(self, checkpoint, self._rpp_ahead)
+
+    # --- Generation ahead (max_staleness=1, `trl_rpp.engines.ahead`): the dataloader read ahead -----------------
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if self._rpp_ahead is not None:  # the next generation batch's prompts are read before Trainer takes them
+            epoch_iterator = self._rpp_ahead.reading(epoch_iterator)
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def _prepare_inputs(self, generation_batch):
+        if self._rpp_ahead is not None and self.model.training:
+            self._rpp_ahead.prepared()
+        return super()._prepare_inputs(generation_batch)
+
+    def _launch_next(self):
+        """After batch t is taken, before it is scored: sync the weights and send batch t+1 to the server, when the
+        dataloader has it in this epoch and the run trains it."""
+        args, step = self.args, self._step
+        generate_every = args.steps_per_generation * self.num_iterations
+        ga = args.gradient_accumulation_steps
+        micro_now = self.state.global_step * ga + step % ga
+        inputs = self._rpp_ahead.next_inputs(step, generate_every, micro_now, self.state.max_steps * ga)
+        if inputs is not None:
+            self._rpp_ahead.launch(self, [x["prompt"] for x in inputs], self.num_generations)
 
     # --- Generation: raw rewards -> [B, T] advantages ---------------------------------------------------------
 
@@ -264,12 +306,21 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         parent = super()._generate_single_turn
         record = current_record("a generate call")
         if self.use_vllm:  # a failure is settled across processes after `_generate` (trl_rpp.faults.engine)
+            ahead = self._rpp_ahead is not None and self.model.training
+            if ahead:  # the batch launched at the previous generation batch (trl_rpp.engines.ahead)
+                answer = lambda: self._rpp_ahead.take(self, prompt_ids, num_generations, record)  # noqa: E731
+            else:
+                record.weight_version = self.state.global_step  # synced before this generation, if it changed
+                answer = None
             if self._rpp_width:  # the kept set or top-k lists, and the sampled token's log-prob selected by id
                 completion_ids, sampled, recorded = generate_vllm_with_topk(
-                    self, prompt_ids, images, num_generations, self._rpp_width, record.engine_faults)
+                    self, prompt_ids, images, num_generations, self._rpp_width, record.engine_faults, answer)
                 if recorded is not None:  # only the engine's calls are guarded
                     record.captures.append(recorded)
                 return completion_ids, sampled
+            if ahead:  # GRPO's branch keeps the sampled token's log-prob alone
+                _, completion_ids, logprobs, _ = answer()
+                return completion_ids, [[lp[0] for lp in seq] for seq in logprobs]
             generate = lambda: parent(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)  # noqa: E731
             return record.engine_faults.guard(generate, prompt_ids, first_eos(self.eos_token_ids))
         if not self._rpp_width:
@@ -305,10 +356,19 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         record becomes the one the scoring that follows reads and adds to."""
         generation = self._sample(prompts)
         use_record(generation.record)
+        mode = "train" if self.model.training else "eval"
+        if self._rpp_ahead is not None and mode == "train":
+            self._launch_next()
+        version = generation.record.weight_version
+        if self.use_vllm and self.vllm_mode == "server" and mode == "train" and version is not None:
+            # generation batches between the weights that sampled this batch and those that train on it
+            batches = (self.state.global_step - version) * self.args.gradient_accumulation_steps / (
+                self.args.steps_per_generation * self.num_iterations)
+            self._metrics[mode]["sampling/staleness"].append(batches)
         if self._rpp_bound:
             acc = self.accelerator
             overflow = acc.gather(torch.tensor([generation.record.tie_overflow], device=acc.device)).sum().item()
-            self._metrics["train" if self.model.training else "eval"]["sampling/tie_overflow"].append(overflow)
+            self._metrics[mode]["sampling/tie_overflow"].append(overflow)
         return generation.output
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,

@@ -44,6 +44,7 @@ from transformers.utils.peft_utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEI
 from ..patches import checkpoint_folder_root, generation_buffer, restore_generation_buffer
 
 BUFFER_FILE = "rpp_generation_buffer_rank{}.pt"
+AHEAD_FILE = "rpp_generation_ahead_rank{}.pt"  # the batch in flight, with max_staleness=1 (`trl_rpp.engines.ahead`)
 # The model as `save_pretrained` writes it (one of these is enough): full or sharded weights, or a PEFT adapter.
 WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, ADAPTER_SAFE_WEIGHTS_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME,
                 ADAPTER_WEIGHTS_NAME)
@@ -119,9 +120,12 @@ def save_generation_buffer(folder: str, rank: int, step: int, buffered_inputs) -
                     "cannot store (accepted: tensors, numbers, strings, None, and lists, tuples or dicts of them), "
                     "and resuming without it would change the run's inputs."
                 )
-    os.makedirs(folder, exist_ok=True)
-    state = {"step": step, "buffer": [dict(batch) for batch in buffered_inputs]}
-    path = buffer_path(folder, rank)
+    return _save_atomically(buffer_path(folder, rank), {"step": step, "buffer": [dict(batch) for batch in buffered_inputs]})
+
+
+def _save_atomically(path: str, state) -> str:
+    """`torch.save(state)` to a temporary file, flushed to disk, then renamed to `path`."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         torch.save(state, f)
@@ -129,6 +133,53 @@ def save_generation_buffer(folder: str, rank: int, step: int, buffered_inputs) -
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
+
+
+def ahead_path(folder: str, rank: int) -> str:
+    return os.path.join(folder, AHEAD_FILE.format(rank))
+
+
+def save_ahead(folder: str, rank: int, pending: dict | None) -> str:
+    """Write this process's batch in flight (`GenerationAhead.state`: its prompt ids, weight version and, on process
+    0, the server's answer; None when nothing was in flight) to `folder`, atomically."""
+    if not _storable(pending):
+        raise TypeError("the batch in flight holds a value a checkpoint cannot store")
+    return _save_atomically(ahead_path(folder, rank), {"pending": pending})
+
+
+def load_ahead(folder: str, rank: int):
+    """The batch in flight saved in `folder` (a dict, or None when nothing was in flight). Raises
+    `DamagedCheckpointError` naming the file when it is missing or damaged."""
+    path = ahead_path(folder, rank)
+    problem = _ahead_problem(folder, rank)
+    if problem is not None:
+        raise problem
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        damage = _load_damage(path, err)
+        if damage is None:
+            raise
+        raise _damaged(folder, path, damage) from err
+    if not (isinstance(state, dict) and "pending" in state):
+        raise _damaged(folder, path, "it holds no 'pending'")
+    return state["pending"]
+
+
+def _ahead_problem(folder: str, rank: int) -> DamagedCheckpointError | None:
+    path = ahead_path(folder, rank)
+    if not os.path.exists(path):
+        return DamagedCheckpointError(
+            f"{path} is missing, so {folder} is incomplete: the run trains with max_staleness=1, and resuming without "
+            "the batch that was in flight would lose it or sample it again from other weights. Delete the folder and "
+            "resume from the previous checkpoint (resume_from_checkpoint=True skips it).",
+            path, "is missing, and the run samples a batch ahead")
+    try:
+        with zipfile.ZipFile(path) as z:
+            z.infolist()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        return _damaged(folder, path, f"{type(err).__name__}: {err}")
+    return None
 
 
 def buffer_needed(
@@ -283,6 +334,7 @@ class ResumeLayout:
     steps_per_generation: int = 1
     num_iterations: int = 1
     required: tuple[tuple[str, ...], ...] = ()  # `required_files`
+    ahead: bool = False  # max_staleness > 0: every checkpoint holds the batch in flight (`AHEAD_FILE`)
 
 
 def layout_of(trainer) -> ResumeLayout:
@@ -293,7 +345,8 @@ def layout_of(trainer) -> ResumeLayout:
     scaler = getattr(trainer.accelerator, "scaler", None) is not None
     rank = trainer.accelerator.process_index
     return ResumeLayout(rank, args.gradient_accumulation_steps, args.steps_per_generation, trainer.num_iterations,
-                        required_files(rank, args.world_size, engine, args.save_only_model, scaler))
+                        required_files(rank, args.world_size, engine, args.save_only_model, scaler),
+                        bool(getattr(args, "max_staleness", 0)))
 
 
 def _buffer_problem(folder: str, rank: int, needed: bool) -> DamagedCheckpointError | None:
@@ -323,6 +376,8 @@ def checkpoint_problem(folder: str, layout: ResumeLayout) -> DamagedCheckpointEr
     needed = buffer_needed(step, layout.gradient_accumulation_steps, layout.steps_per_generation,
                            layout.num_iterations)
     problem = _buffer_problem(folder, layout.rank, needed)
+    if problem is None and layout.ahead:
+        problem = _ahead_problem(folder, layout.rank)
     if problem is not None:
         return problem
     for alternatives in layout.required:
@@ -418,25 +473,32 @@ def _buffer_needed_now(trainer) -> bool:
                          trainer.num_iterations)
 
 
-def save_checkpoint(trainer, trial, save) -> None:
+def save_checkpoint(trainer, trial, save, ahead=None) -> None:
     """`RPPTrainer._save_checkpoint`: the buffered generation batch when a resume needs it (`buffer_needed`), before
     Trainer's files, so that a checkpoint with a `trainer_state.json` always has its buffer; then ``save()`` (GRPO's).
     A failed write (`OSError`: a full disk, an I/O error) raises a `CheckpointSaveError` naming the folder and the
-    checkpoint a resume would take. It takes TRL's trainer: it saves GRPO's buffered batch and wraps Trainer's save."""
+    checkpoint a resume would take. It takes TRL's trainer: it saves GRPO's buffered batch and wraps Trainer's save.
+    With `ahead` (a `trl_rpp.engines.ahead.GenerationAhead`), the batch in flight is awaited and saved too, before
+    Trainer's files; a failed request stops the run before anything is written."""
     output_dir = checkpoint_folder_root(trainer, trial)
     folder = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
     needed = _buffer_needed_now(trainer)
     buffered_inputs, position = generation_buffer(trainer)
+    pending = ahead.state(trainer) if ahead is not None else None  # every process: it settles a failed request
     try:
+        rank = trainer.accelerator.process_index
         if buffered_inputs is not None and needed:  # at a generation boundary a resume samples a new batch
-            save_generation_buffer(folder, trainer.accelerator.process_index, position, buffered_inputs)
+            save_generation_buffer(folder, rank, position, buffered_inputs)
+        if ahead is not None:
+            save_ahead(folder, rank, pending)
+        if ahead is not None or (buffered_inputs is not None and needed):
             trainer.accelerator.wait_for_everyone()  # every buffer lands before rank 0 writes trainer_state.json
         save()
     except OSError as err:
         raise save_error(folder, err, output_dir, layout_of(trainer)) from err
 
 
-def restore_buffer_on_resume(trainer, checkpoint) -> None:
+def restore_buffer_on_resume(trainer, checkpoint, ahead=None) -> None:
     """After Trainer loads the optimizer from `checkpoint` (None: not resuming): the saved generation batch, which a
     resumed run trains on where GRPO would sample a new one (`trl_rpp.patches.restore_generation_buffer`). It takes
     TRL's trainer: the buffer goes back into GRPO's private attributes."""
@@ -446,3 +508,5 @@ def restore_buffer_on_resume(trainer, checkpoint) -> None:
                                     trainer.accelerator.device)
     if loaded is not None:
         restore_generation_buffer(trainer, *loaded)
+    if ahead is not None:  # the batch that was in flight, answered
+        ahead.restore(load_ahead(checkpoint, trainer.accelerator.process_index))

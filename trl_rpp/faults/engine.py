@@ -118,7 +118,7 @@ def guard_client(client, faults, eos: int, timeout: float | None):
     patch_client(client, failed_answer, timeout)
 
 
-def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations, k, faults):
+def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations, k, faults, answer=None):
     """GRPO's vLLM branch of `_generate_single_turn`, keeping the `k`-wide log-prob lists and selecting the sampled
     token's log-prob by id. Returns ``(completion_ids, sampled_logps, recorded)``: the first two as GRPO's branch
     does, and the lists as a `RecordedTopK` (None when the engine failed). It takes TRL's trainer because the copied
@@ -127,10 +127,14 @@ def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations, k, fau
     Only the engine's calls (`trl_rpp.patches.vllm_generate`: the weight sync and the generation) run under `faults`
     (`EngineFaults.call`): when they raise, one EOS per prompt comes back and the run stops at
     `EngineFaults.settle`. An error in parsing the engine's answer is ours, not the engine's, and propagates as
-    itself."""
+    itself. `answer`, when given, returns the engine's answer instead (a batch sampled ahead,
+    `trl_rpp.engines.ahead`, whose request's failure is already in `faults`)."""
     from ..records.vllm import parse_vllm_topk
 
-    answer = faults.call(lambda: vllm_generate(trainer, prompt_ids, images, num_generations))
+    if answer is not None:
+        answer = answer()
+    else:
+        answer = faults.call(lambda: vllm_generate(trainer, prompt_ids, images, num_generations))
     if answer is None:
         return (*empty_completions(first_eos(trainer.eos_token_ids), prompt_ids), None)
     _, completion_ids, logprobs, token_ids = answer
