@@ -58,6 +58,9 @@ GRPO_METHODS = {
     "_get_tool_suffix_ids": "self, tool_messages",  # trl_rpp.testing.tool_model, on a stand-in `self`
     # buffers the generation batch that `_save_checkpoint` saves and `_load_optimizer_and_scheduler` restores
     "_prepare_inputs": "self, generation_batch",
+    # max_staleness=1: Trainer's epoch iterator is read ahead, and a batch's prompts tokenized as GRPO does
+    "get_batch_samples": "self, epoch_iterator, num_batches, device",
+    "_tokenize_prompts": "self, prompts",
 }
 
 # Attributes GRPOTrainer sets in __init__ that RPPTrainer reads or writes (private ones first).
@@ -66,7 +69,7 @@ GRPO_ATTRIBUTES = [
     "ref_model", "environment_factories", "rollout_func", "tools", "use_vllm", "temperature", "epsilon_low",
     "epsilon_high", "num_iterations", "num_generations", "num_generations_eval", "reward_weights", "reward_func_names",
     "generation_kwargs", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max", "_tag_names", "rollout_func",
+    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max", "_tag_names", "rollout_func", "vllm_mode",
 ]
 
 

@@ -24,7 +24,7 @@ OWN_OR_PUBLIC = {
                                  "current_record('scoring the completions').rewards_per_func"),
                                 "our GenerationRecord (trl_rpp.records.generation)"),
     "engines/ahead.py": {"record.weight_version": "our GenerationRecord (trl_rpp.records.generation)",
-                         **dict.fromkeys(("pending.answer", "pending.seconds", "pending.thread"), "our Pending")},
+                         **dict.fromkeys(("pending.answer", "pending.seconds", "pending.thread", "pending.started"), "our Pending")},
     "cli.py": {"training_args.model_init_kwargs": "a GRPOConfig field, set as TRL's scripts set it",
                "action.help": "argparse's public `Action.help`"},
     "config.py": {"RPPConfig.__doc__": "our class's docstring",

@@ -19,6 +19,7 @@ from pathlib import Path
 import signal
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -818,6 +819,353 @@ def test_two_processes_train_against_one_server(tmp_path_factory, vllm_model, vl
         check_sync_failure(stopped[r]["failure"], "did not answer within vllm_server_request_timeout=3.0 s", 2, 0)
     assert stopped[0]["failure"]["error"] == stopped[1]["failure"]["error"]
     print(f"\ntwo processes: the sync failed after {stopped[0]['failure']['failed_sync_seconds']:.2f} s (limit 3 s)")
+
+
+# --- Generation ahead: max_staleness=1 against the server (trl_rpp.engines.ahead) ----------------------------------
+
+
+AHEAD_SCRIPT = os.path.join(HERE, "support", "off_policy_script.py")
+AHEAD_CHAIN = "straight,preempt,killed,after_kill"
+AHEAD_GROUPS = {"ahead": (f"lag1,lag1_sc,lag1_rewards,{AHEAD_CHAIN},lag0,stopped,stopped_resumed", False),
+                "ahead_ddp": ("lag1,preempt,stopped", True)}
+_AHEAD_RUNS = {}
+
+
+def ahead_runs(group, tmp_path_factory, vllm_model, vllm_server):
+    """The runs of tests/support/off_policy_script.py for `group` (one process, or two under DDP): case -> rank ->
+    what the script saved. Made on first use, once per module, against this module's server."""
+    if group not in _AHEAD_RUNS:
+        cases, ddp = AHEAD_GROUPS[group]
+        outdir = tmp_path_factory.mktemp(f"vllm_{group}")
+        args = [AHEAD_SCRIPT, str(outdir), vllm_model, vllm_server.base_url, str(vllm_server.server_process.pid), cases]
+        if ddp:
+            launch("ddp.yaml", args, timeout=RUN_TIMEOUT_S, extra_env=VLLM_ENV)
+        else:
+            run_script(args, dict(os.environ, **ENV))
+        runs = defaultdict(dict)
+        for name in os.listdir(outdir):
+            if name.endswith(".pt") and "_rank" in name:
+                case, rank = name[:-3].rsplit("_rank", 1)
+                runs[case][int(rank)] = torch.load(outdir / name, weights_only=False)
+        runs["killed_process"] = torch.load(outdir / "killed_process.pt") if not ddp else None
+        runs["outdir"] = outdir
+        _AHEAD_RUNS[group] = runs
+    return _AHEAD_RUNS[group]
+
+
+def model_at(model_path, weights):
+    """The float64 model with `weights` (the trainer's, at one optimizer step)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    model.load_state_dict({k: v.double() for k, v in weights.items()})
+    return model.eval()
+
+
+def ref_logps(model, batch, support=None):
+    """``[B, T]`` float64 log-probs of the completion tokens (temperature 1), each row computed alone by a plain loop
+    over its positions; over the kept set `support` ``[B, T, K]`` (ABSENT-padded) when given."""
+    from trl_rpp.truncation import ABSENT
+
+    B, T = batch["completion_ids"].shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(B):
+            ids = torch.cat([batch["prompt_ids"][i], batch["completion_ids"][i]]).unsqueeze(0)
+            attn = torch.cat([batch["prompt_mask"][i], batch["completion_mask"][i]]).unsqueeze(0)
+            logits = model(input_ids=ids, attention_mask=attn).logits[0, -T - 1 : -1]
+            for t in range(T):
+                if not batch["completion_mask"][i, t]:
+                    continue
+                y = int(batch["completion_ids"][i, t])
+                if support is None:
+                    out[i, t] = logits[t, y] - torch.logsumexp(logits[t], -1)
+                else:
+                    kept = [v for v in support[i, t].tolist() if v != ABSENT]
+                    out[i, t] = logits[t, y] - torch.logsumexp(logits[t, kept], -1)
+    return out
+
+
+def masked_gap(a, b, mask):
+    return (a.double() - b.double())[mask.bool()].abs().max().item()
+
+
+def check_versions(run, spg, steps):
+    """Each generation batch's weight version is the step of the sync before its request; the first batch is on
+    policy and every later one is exactly one generation batch old (`sampling/staleness`); every sync ran with no
+    request in flight (the request intervals, measured on process 0, and the sync intervals do not overlap)."""
+    boundaries = list(range(0, steps, spg))
+    want = [0] + [b - spg for b in boundaries[1:]]
+    assert [v["step"] for v in run["versions"]] == boundaries, run["versions"]
+    assert [v["version"] for v in run["versions"]] == want, run["versions"]
+    logged = [h["sampling/staleness"] for h in run["logs"] if "sampling/staleness" in h]
+    assert logged == [0.0] + [1.0] * (len(boundaries) - 1), logged
+    assert [r["version"] for r in run["requests"]] == [0, *want[1:]]  # batch 1 launched at once, then one ahead
+    if run["rank"] == 0:
+        for request in run["requests"]:
+            for sync in run["syncs"]:
+                end = request["started"] + request["seconds"]
+                assert end <= sync["start"] or sync["end"] <= request["started"], (request, sync)
+        # a sync at each step that launched a batch, and none while one was in flight
+        assert [s["step"] for s in run["syncs"]] == [0, *boundaries[1:-1]], run["syncs"]
+
+
+def test_a_batch_sampled_ahead_carries_the_version_that_sampled_it(tmp_path_factory, vllm_model, vllm_server):
+    """max_staleness=1, two optimizer steps per generation batch, 6 steps: batch 1 sampled at step 0 (on policy),
+    batch 2 launched at step 0 and trained at steps 2-3, batch 3 launched at step 2 after its sync. For every batch,
+    the server's recorded log-probs are those of the weights that sampled it (float64 reference from the trainer's
+    weights at that step), not those of the weights that train on it; pi_old is computed by the trainer when it
+    trains the batch, TRL's importance-sampling ratio is pi_old / mu_stale, truncated at its cap, and the PPO ratio
+    of each micro-batch is pi_theta / pi_old, each per token."""
+    from trl_rpp import RPPConfig
+
+    run = ahead_runs("ahead", tmp_path_factory, vllm_model, vllm_server)["lag1"][0]
+    check_versions(run, spg=2, steps=6)
+    cap = RPPConfig.__dataclass_fields__["vllm_importance_sampling_clip_max"].default
+    models = {s: model_at(vllm_model, w) for s, w in run["weights"].items()}
+    own = stale_gap = old_gap = is_gap = 0.0
+    for batch, version in zip(run["batches"], run["versions"], strict=True):
+        mask = batch["completion_mask"]
+        sampled = batch["sampling_per_token_logps"]
+        at_version, at_training = ref_logps(models[version["version"]], batch), ref_logps(models[version["step"]], batch)
+        own = max(own, masked_gap(sampled, at_version, mask))
+        if version["version"] != version["step"]:
+            stale_gap = min(stale_gap or math.inf, masked_gap(sampled, at_training, mask))
+        old_gap = max(old_gap, masked_gap(batch["old_per_token_logps"], at_training, mask))
+        ratio = torch.exp(at_training - sampled.double()).clamp(max=cap)
+        is_gap = max(is_gap, masked_gap(batch["importance_sampling_ratio"], ratio, mask))
+    ppo_gap = moved = 0.0
+    for inputs, logps in zip(run["loss_inputs"], run["loss_logps"], strict=True):
+        mask = inputs["completion_mask"]
+        now = ref_logps(models[logps["step"]], inputs)
+        old = inputs["old_per_token_logps"].double()  # the log of the PPO ratio: it reaches e^6 at lr 2e-2
+        ppo_gap = max(ppo_gap, masked_gap(logps["logps"].double() - old, now - old, mask))
+        moved = max(moved, masked_gap(logps["logps"], inputs["old_per_token_logps"], mask))
+    print(f"\nmax_staleness=1: server vs its version {own:.1e}, vs the training weights >= {stale_gap:.2e}; pi_old "
+          f"{old_gap:.1e}; IS ratio {is_gap:.1e}; log PPO ratio {ppo_gap:.1e} (up to {moved:.2g})")
+    assert own <= LOGP_ATOL and old_gap <= LOGP_ATOL
+    assert stale_gap > 1e-3, stale_gap  # the stale weights are told apart from the current ones: the test has teeth
+    assert is_gap <= 1e-4 and ppo_gap <= LOGP_ATOL
+    assert moved > 1e-3  # the second micro-batch of each batch trains after one optimizer step
+
+
+def check_closed_batch(ranks, num_generations):
+    """Every generation batch's advantages: the inclusive group mean of the gathered raw rewards, normalized over the
+    valid tokens of that batch on every process (float64 reference)."""
+    worst = 0.0
+    for step, gathered in enumerate(ranks[0]["rewards"]):
+        rewards = weighted_rewards(gathered.tolist())
+        batches = [ranks[r]["batches"][step] for r in sorted(ranks)]
+        B = batches[0]["completion_ids"].size(0)
+        masks = [b["completion_mask"].tolist() for b in batches]
+        raw = ref_group_mean_advantages(rewards, [row for m in masks for row in m], num_generations)
+        raw = [raw[r * B : (r + 1) * B] for r in range(len(batches))]
+        want, _, _, _ = ref_global_masked_normalize(raw, masks)
+        for r, b in enumerate(batches):
+            worst = max(worst, (b["advantages"].double() - torch.tensor(want[r], dtype=torch.float64)).abs().max().item())
+    assert worst <= 1e-5, worst
+    return worst
+
+
+def test_a_batch_sampled_ahead_is_normalized_as_one_closed_batch(tmp_path_factory, vllm_model, vllm_server):
+    """One process and two (DDP, one server): each trained generation batch is complete before it is normalized, over
+    exactly its valid tokens on every process, as at max_staleness=0; with two, each process trains its own slice of
+    the one answer."""
+    one = ahead_runs("ahead", tmp_path_factory, vllm_model, vllm_server)["lag1"]
+    two = ahead_runs("ahead_ddp", tmp_path_factory, vllm_model, vllm_server)["lag1"]
+    for r in (0, 1):
+        assert two[r]["processes"] == 2
+        check_versions(two[r], spg=2, steps=6)
+    assert two[0]["batches"][1]["completion_ids"].tolist() != two[1]["batches"][1]["completion_ids"].tolist()
+    print(f"\nclosed batch: one process {check_closed_batch(one, 4):.1e}, two {check_closed_batch(two, 4):.1e}")
+
+
+def ref_step_loss_with_is(model, inputs, args, cap):
+    """The step's loss at max_staleness=1 with a replayed top_k and score centering on its kept set: explicit loops,
+    every log-prob `log pi(. | S_t)` over the recorded kept set, TRL's truncated IS weight w_is = min(pi_old / q, cap)
+    on the surrogate, and the centering term's coefficients q_v min(p_v / q_v, cap) (the head is the whole kept set):
+    (1/B) sum_i (1/L_i) sum_t [ w_is max(-rho A, -clip(rho) A) + sg(A w) sum_S sg(q_v f(p_v/q_v)) log pi(v | S)
+                                + kl_loss_coef KL_t ],  w = rho on the unclipped branch, else 0."""
+    from test_replay import replayed_logp
+
+    eps_low, eps_high = args.epsilon, args.epsilon_high or args.epsilon
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    T = inputs["completion_ids"].size(1)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, -T - 1 : -1] / args.temperature
+    terms = []
+    for i in range(ids.size(0)):
+        total, n = 0.0, 0
+        for t in range(T):
+            if not inputs["completion_mask"][i, t]:
+                continue
+            logp = replayed_logp(logits[i, t], inputs["sampler_support_ids"][i, t].tolist())
+            y = int(inputs["completion_ids"][i, t])
+            old = inputs["old_per_token_logps"][i, t].double()
+            A = inputs["advantages"][i, t].double()
+            w_is = min(math.exp(old.item() - inputs["sampler_per_token_logps"][i, t].item()), cap)
+            rho = torch.exp(logp[y] - old)
+            unclipped, clipped = -rho * A, -torch.clamp(rho, 1 - eps_low, 1 + eps_high) * A
+            total = total + w_is * torch.maximum(unclipped, clipped)
+            w = rho.detach() if unclipped.item() >= clipped.item() else 0.0
+            for v, lq in zip(inputs["sampler_head_ids"][i, t].tolist(), inputs["sampler_head_logps"][i, t].tolist()):
+                if lq > -math.inf:
+                    q = math.exp(lq)
+                    total = total + (A * w) * (q * min(math.exp(logp[v].item()) / q, cap)) * logp[v]
+            d = logp[y] - inputs["ref_per_token_logps"][i, t].double()
+            total = total + args.kl_loss_coef * 0.5 * d * d
+            n += 1
+        terms.append(total / max(n, 1))
+    return sum(terms) / len(terms)
+
+
+def test_replay_and_score_centering_one_batch_stale_equal_the_float64_reference(tmp_path_factory, vllm_model,
+                                                                               vllm_server):
+    """top_k=6 replayed and score centering on its kept set, max_staleness=1: the kept sets and the head are those
+    the stale sampler recorded (its log q_S is the log-prob over the kept set under the weights that sampled), the
+    loss forward reads log pi(y | S_t) under the current weights, and each step's loss and gradient equal a float64
+    reference built from the trainer's weights of that step."""
+    run = ahead_runs("ahead", tmp_path_factory, vllm_model, vllm_server)["lag1_sc"][0]
+    check_versions(run, spg=1, steps=3)
+    args = types.SimpleNamespace(**run["args"])
+    cap = args.vllm_importance_sampling_clip_max
+    record_gap = replay_gap = 0.0
+    for batch, version in zip(run["batches"], run["versions"], strict=True):
+        mask = batch["completion_mask"]
+        q = ref_logps(model_at(vllm_model, run["weights"][version["version"]]), batch, batch["sampler_support_ids"])
+        record_gap = max(record_gap, masked_gap(batch["sampler_per_token_logps"], q, mask))
+    grad_err = loss_err = 0.0
+    for step, (inputs, logps) in enumerate(zip(run["loss_inputs"], run["loss_logps"], strict=True)):
+        model = model_at(vllm_model, run["weights"][step])
+        now = ref_logps(model, inputs, inputs["sampler_support_ids"])
+        replay_gap = max(replay_gap, masked_gap(logps["logps"], now, inputs["completion_mask"]))
+        model.train()
+        loss = ref_step_loss_with_is(model, inputs, args, cap)
+        loss.backward()
+        logged = [h["loss"] for h in run["logs"] if "loss" in h][step]
+        loss_err = max(loss_err, abs(logged - loss.item()))
+        grads = run["grads"][step]
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                grad_err = max(grad_err, ((grads[name].double() - p.grad).norm() / p.grad.norm().clamp(min=1e-12)).item())
+    print(f"\nreplay + score centering, one batch stale: sampler record vs its version {record_gap:.1e}, replayed "
+          f"log-probs {replay_gap:.1e}, loss {loss_err:.1e}, largest relative L2 gradient error {grad_err:.1e}")
+    assert record_gap <= LOGP_ATOL and replay_gap <= LOGP_ATOL
+    assert loss_err <= 1e-5 and grad_err <= 1e-4
+
+
+def test_reward_functions_run_in_the_trainer_as_at_max_staleness_0(tmp_path_factory, vllm_model, vllm_server):
+    """max_staleness=1: a reward function that cannot be pickled (a closure over a lock) runs in the trainer's
+    process, on its main thread, at every step; its second call raises and, with reward_errors="unscorable", the
+    step logs the error and trains on, as at max_staleness=0 (tests/test_reward_faults.py)."""
+    run = ahead_runs("ahead", tmp_path_factory, vllm_model, vllm_server)["lag1_rewards"][0]
+    assert run["pickles"] == {"copy_first_char_reward": True, "locked_length_reward": False}, run["pickles"]
+    assert run["reward_calls"] == [{"pid": run["pid"], "thread": run["trainer_thread"]}] * 3, run["reward_calls"]
+    assert run["trainer_thread"] == "MainThread"
+    steps = [h for h in run["logs"] if "loss" in h]
+    assert [h["rewards/locked_length_reward/errors"] for h in steps] == [0, 1, 0]
+    assert all(math.isfinite(h["loss"]) for h in steps) and len(steps) == 3
+
+
+def chain_steps(*runs):
+    """Per optimizer step of `runs` in turn: the prompts, the completions, the weight version and the loss."""
+    steps = []
+    for run in runs:
+        losses = [h["loss"] for h in run["logs"] if "loss" in h]
+        first = len(losses) - len(run["batches"])  # a resumed run's history starts with the checkpoint's steps
+        for i, (batch, version) in enumerate(zip(run["batches"], run["versions"], strict=True)):
+            steps.append({"step": version["step"] + 1, "prompt_ids": batch["prompt_ids"].tolist(),
+                          "completion_ids": batch["completion_ids"].tolist(), "version": version["version"],
+                          "loss": losses[first + i]})
+    return steps
+
+
+def test_the_first_batch_is_on_policy_and_max_staleness_0_samples_every_batch_on_policy(tmp_path_factory, vllm_model,
+                                                                                         vllm_server):
+    """The uninterrupted chain run (max_staleness=1) and the same run at max_staleness=0: the first batch of both is
+    sampled by the initial weights, with the same completions and the same loss, bit for bit; at 0 every batch is
+    sampled by the weights that train on it (`sampling/staleness` 0, no batch launched ahead), and from step 2 on
+    the two runs differ."""
+    runs = ahead_runs("ahead", tmp_path_factory, vllm_model, vllm_server)
+    lag0, lag1 = chain_steps(runs["lag0"][0]), chain_steps(runs["straight"][0])
+    assert [s["version"] for s in lag0] == [0, 1] and runs["lag0"][0]["requests"] == []
+    assert [h["sampling/staleness"] for h in runs["lag0"][0]["logs"] if "loss" in h] == [0.0, 0.0]
+    assert (lag0[0]["completion_ids"], lag0[0]["loss"]) == (lag1[0]["completion_ids"], lag1[0]["loss"])
+    assert lag0[1]["completion_ids"] != lag1[1]["completion_ids"]  # step 2: new weights at 0, the initial ones at 1
+
+
+def test_preempted_and_killed_with_a_batch_in_flight_resume_exactly(tmp_path_factory, vllm_model, vllm_server):
+    """max_staleness=1, 5 steps, checkpoints every 2 (tests/support/off_policy_script.py's chain):
+
+    1. SIGTERM at the start of step 3: the step finishes, checkpoint-3 is saved with the batch in flight (batch 4,
+       sampled by the weights of step 2, awaited and stored) and TrainingPreempted is raised.
+    2. Resumed from checkpoint-3 in a new process and SIGKILLed while saving checkpoint-4 (its model and the batch
+       in flight written, no trainer_state.json).
+    3. Resumed with resume_from_checkpoint=True: the torn checkpoint-4 is refused by name and checkpoint-3 resumes;
+       batch 4 is trained from the checkpoint, with no request to the server.
+
+    The interrupted runs train exactly what the uninterrupted run trains: the same prompts, completions and weight
+    versions at every step, and the same losses to 1e-6 (the server samples with a fixed seed)."""
+    runs = ahead_runs("ahead", tmp_path_factory, vllm_model, vllm_server)
+    straight, preempt, killed, after = (runs[n][0] for n in ("straight", "preempt", "killed", "after_kill"))
+    checkpoint3 = os.path.join(str(runs["outdir"]), "chain", "checkpoint-3")
+    assert preempt["preempted"] == {"signal": "SIGTERM", "step": 3, "checkpoint": checkpoint3}, preempt["preempted"]
+    saved = torch.load(os.path.join(checkpoint3, "rpp_generation_ahead_rank0.pt"))["pending"]
+    assert saved["weight_version"] == 2 and len(saved["answer"][1]) == 8, saved  # batch 4, answered
+    assert runs["killed_process"]["returncode"] == -signal.SIGKILL and killed["killed"]
+    torn = os.path.join(str(runs["outdir"]), "chain", "checkpoint-4")
+    assert after["warnings"] == [f"trl_rpp: resume_from_checkpoint=True skips {torn}, which is incomplete: "
+                                 f"{torn}/trainer_state.json is missing. Resuming from {checkpoint3} instead."]
+    assert [r["version"] for r in after["requests"]] == [3]  # batch 5 only: batch 4 came from the checkpoint
+    want = chain_steps(straight)
+    assert [s["step"] for s in want] == [1, 2, 3, 4, 5] and [s["version"] for s in want] == [0, 0, 1, 2, 3]
+    for got in (chain_steps(preempt, after), chain_steps(preempt, killed)):
+        for g, w in zip(got, want):
+            assert (g["step"], g["prompt_ids"], g["completion_ids"], g["version"]) == (
+                w["step"], w["prompt_ids"], w["completion_ids"], w["version"]), g["step"]
+            assert abs(g["loss"] - w["loss"]) <= 1e-6, (g["step"], g["loss"], w["loss"])
+    assert len(chain_steps(preempt, after)) == 5 and len(chain_steps(preempt, killed)) == 4
+    assert len({str(s["completion_ids"]) for s in want}) == 5  # five different batches: the comparison has teeth
+
+
+def test_a_server_that_stops_with_a_batch_in_flight_stops_the_run_and_the_checkpoint_resumes(
+        tmp_path_factory, vllm_model, vllm_server):
+    """SIGSTOP to the server right after the sync of step 3, as batch 4's request is sent: the request gets no answer
+    within vllm_server_request_timeout (3 s), and at step 4's generation the run stops with GenerationEngineError
+    naming the server and checkpoint-2, with one process and with two (the same error on both). checkpoint-2 is
+    complete, and a run resumed from it trains to the end."""
+    runs = ahead_runs("ahead", tmp_path_factory, vllm_model, vllm_server)
+    run = runs["stopped"][0]
+    error = run["error"]
+    assert error["type"] == "GenerationEngineError" and error["step"] == 3, error
+    assert "read timeout=3.0" in error["message"] and "failed on process 0 of 1 while generating at step 3" in error[
+        "message"] and "stopped/checkpoint-2': fix the engine, then resume" in error["message"], error["message"]
+    took = error["at"] - run["stopped_at"]
+    print(f"\nserver stopped with a batch in flight: the run stopped {took:.2f} s later (limit 3 s)")
+    assert 3.0 <= took < 3.0 + 10.0, took  # the request's limit, then the rest of step 3's training
+    assert run["checkpoints"] == ["checkpoint-2"] and run["problems"] == {"checkpoint-2": "None"}
+    resumed = runs["stopped_resumed"][0]
+    assert [h["step"] for h in resumed["logs"] if "loss" in h] == [1, 2, 3, 4, 5] and resumed["error"] is None
+    two = ahead_runs("ahead_ddp", tmp_path_factory, vllm_model, vllm_server)["stopped"]
+    messages = [two[r]["error"]["message"] for r in (0, 1)]
+    assert messages[0] == messages[1] and "failed on process 0 of 2 while generating at step 3" in messages[0]
+
+
+def test_two_processes_preempted_with_a_batch_in_flight_both_save_and_stop(tmp_path_factory, vllm_model, vllm_server):
+    """Two processes, SIGTERM to rank 1 alone at the start of step 3: both finish the step, save checkpoint-3, each
+    with its share of the batch in flight (process 0 holds the server's answer), and raise TrainingPreempted."""
+    runs = ahead_runs("ahead_ddp", tmp_path_factory, vllm_model, vllm_server)
+    preempt = runs["preempt"]
+    checkpoint3 = os.path.join(str(runs["outdir"]), "chain", "checkpoint-3")
+    for r in (0, 1):
+        assert preempt[r]["preempted"] == {"signal": "SIGTERM", "step": 3, "checkpoint": checkpoint3}
+        saved = torch.load(os.path.join(checkpoint3, f"rpp_generation_ahead_rank{r}.pt"))["pending"]
+        assert saved["weight_version"] == 2 and len(saved["prompt_ids"]) == 8
+        assert (saved["answer"] is not None) == (r == 0)
+    from trl_rpp.faults.checkpoint import ResumeLayout, checkpoint_problem, required_files
+
+    for r in (0, 1):
+        assert checkpoint_problem(checkpoint3, ResumeLayout(r, required=required_files(r, 2), ahead=True)) is None
 
 
 def test_a_restarted_server_is_synced_before_the_first_generation(tmp_path_factory, vllm_model, vllm_server):

@@ -83,7 +83,7 @@ class Pending:
         answer: the server's answer on process 0, ``(prompt_ids, completion_ids, logprobs, logprob_token_ids)`` for
             every process's completions, once the thread has finished (or restored from a checkpoint).
         thread: process 0's request in flight, or None.
-        seconds: how long the request took, on process 0.
+        started, seconds: when the request was sent (`time.perf_counter`) and how long it took, on process 0.
     """
 
     prompt_ids: list
@@ -92,6 +92,7 @@ class Pending:
     faults: EngineFaults = field(default_factory=EngineFaults)
     answer: Any = None
     thread: threading.Thread | None = None
+    started: float | None = None
     seconds: float | None = None
 
     def wait(self) -> None:
@@ -159,7 +160,7 @@ class GenerationAhead:
             eos = first_eos(trainer.eos_token_ids)
 
             def run():
-                start = time.perf_counter()
+                pending.started = start = time.perf_counter()
                 # The server client's guard (`faults.engine.guard_client`) keeps a failure in the current record's
                 # faults: this batch's, in this thread's context.
                 with recording(GenerationRecord(engine_faults=pending.faults)):
