@@ -99,7 +99,7 @@ def test_the_batch_in_flight_round_trips_through_a_checkpoint(tmp_path):
     layout = ResumeLayout(0, required=required_files(0, 1), ahead=True)
     problem = checkpoint_problem(folder, layout)
     assert isinstance(problem, DamagedCheckpointError) and problem.path.endswith("rpp_generation_ahead_rank0.pt")
-    assert "max_staleness=1" in str(problem) and "Delete the folder" in str(problem)
+    assert "cannot be resumed with max_staleness=1" in str(problem) and "resume it with max_staleness=0" in str(problem)
     assert checkpoint_problem(folder, ResumeLayout(0, required=required_files(0, 1))) is None  # max_staleness=0
     path = save_ahead(folder, 0, state)
     assert checkpoint_problem(folder, layout) is None

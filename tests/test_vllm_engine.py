@@ -893,7 +893,8 @@ def masked_gap(a, b, mask):
 def check_versions(run, spg, steps):
     """Each generation batch's weight version is the step of the sync before its request; the first batch is on
     policy and every later one is exactly one generation batch old (`sampling/staleness`); every sync ran with no
-    request in flight (the request intervals, measured on process 0, and the sync intervals do not overlap)."""
+    request in flight (the request intervals, measured on process 0, and the sync intervals do not overlap), and
+    each sync ends by dropping the server's prefix cache."""
     boundaries = list(range(0, steps, spg))
     want = [0] + [b - spg for b in boundaries[1:]]
     assert [v["step"] for v in run["versions"]] == boundaries, run["versions"]
@@ -906,8 +907,9 @@ def check_versions(run, spg, steps):
             for sync in run["syncs"]:
                 end = request["started"] + request["seconds"]
                 assert end <= sync["start"] or sync["end"] <= request["started"], (request, sync)
-        # a sync at each step that launched a batch, and none while one was in flight
+        # a sync at each step that launched a batch, and none while one was in flight; each drops the prefix cache
         assert [s["step"] for s in run["syncs"]] == [0, *boundaries[1:-1]], run["syncs"]
+        assert all(s["posts"][-1] == "/reset_prefix_cache" for s in run["syncs"]), run["syncs"]
 
 
 def test_a_batch_sampled_ahead_carries_the_version_that_sampled_it(tmp_path_factory, vllm_model, vllm_server):
@@ -1166,6 +1168,9 @@ def test_two_processes_preempted_with_a_batch_in_flight_both_save_and_stop(tmp_p
 
     for r in (0, 1):
         assert checkpoint_problem(checkpoint3, ResumeLayout(r, required=required_files(r, 2), ahead=True)) is None
+
+
+# --- The server killed and restarted: last, since it replaces the module's server ----------------------------------
 
 
 def test_a_restarted_server_is_synced_before_the_first_generation(tmp_path_factory, vllm_model, vllm_server):

@@ -91,9 +91,10 @@ class AheadTrainer(CaptureTrainer):
         sync = self.vllm_generation.sync_weights  # the drain, then the transport
 
         def recorded_sync():
-            start = time.perf_counter()
+            start, posted = time.perf_counter(), len(POSTS)
             sync()
-            self.syncs.append({"step": self.state.global_step, "start": start, "end": time.perf_counter()})
+            self.syncs.append({"step": self.state.global_step, "start": start, "end": time.perf_counter(),
+                               "posts": POSTS[posted:]})
 
         self.vllm_generation.sync_weights = recorded_sync
         self.add_callback(Weights(self))
@@ -261,10 +262,26 @@ class StopServerAfterSync(TrainerCallback):
         trainer.vllm_generation.sync_weights = sync_then_stop
 
 
+POSTS = []  # the paths of the disk transport's requests to the server, in order (process 0)
+
+
+def record_posts():
+    from trl_rpp.engines.vllm_server import DiskWeightSync
+
+    post = DiskWeightSync._post
+
+    def recorded(self, path, body, what):
+        POSTS.append(path)
+        return post(self, path, body, what)
+
+    DiskWeightSync._post = recorded
+
+
 def main():
     global MODEL, URL, PGID
     outdir, MODEL, URL, pgid, names = sys.argv[1:6]
     PGID = int(pgid)
+    record_posts()
     for name in names.split(","):
         if name == "killed":  # its own process, which dies
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), outdir, MODEL, URL, pgid, "killed_child"],

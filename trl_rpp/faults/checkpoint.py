@@ -170,9 +170,11 @@ def _ahead_problem(folder: str, rank: int) -> DamagedCheckpointError | None:
     path = ahead_path(folder, rank)
     if not os.path.exists(path):
         return DamagedCheckpointError(
-            f"{path} is missing, so {folder} is incomplete: the run trains with max_staleness=1, and resuming without "
-            "the batch that was in flight would lose it or sample it again from other weights. Delete the folder and "
-            "resume from the previous checkpoint (resume_from_checkpoint=True skips it).",
+            f"{path} is missing, so {folder} cannot be resumed with max_staleness=1: such a run saves the batch in "
+            "flight there with every checkpoint, and resuming without it would lose that batch or sample it again "
+            "from other weights. If the checkpoint was saved at max_staleness=0, resume it with max_staleness=0; "
+            "otherwise delete the folder and resume from the previous checkpoint (resume_from_checkpoint=True skips "
+            "it).",
             path, "is missing, and the run samples a batch ahead")
     try:
         with zipfile.ZipFile(path) as z:
