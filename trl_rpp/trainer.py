@@ -252,10 +252,14 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         resume_from_checkpoint = resolve_resume_checkpoint(self, resume_from_checkpoint)
         try:
             with self._rpp_preemption:  # SIGTERM/SIGUSR1: finish the step, save, raise TrainingPreempted
-                return super().train(resume_from_checkpoint, *args, **kwargs)
-        finally:
-            if self._rpp_ahead is not None:  # a batch still in flight (training stopped early) is dropped
-                self._rpp_ahead.close()
+                out = super().train(resume_from_checkpoint, *args, **kwargs)
+        except BaseException:
+            if self._rpp_ahead is not None:  # an error or Ctrl-C does not wait for the batch in flight
+                self._rpp_ahead.close(wait=False)
+            raise
+        if self._rpp_ahead is not None:  # a batch still in flight (a callback stopped training early) is dropped
+            self._rpp_ahead.close()
+        return out
 
     def _save_checkpoint(self, model, trial):
         save_checkpoint(self, trial, lambda: super(RPPTrainer, self)._save_checkpoint(model, trial), self._rpp_ahead)

@@ -215,9 +215,11 @@ class GenerationAhead:
         if self.pending is not None:
             self.pending.wait()
 
-    def close(self) -> None:
-        """After training: wait for a batch still in flight (training stopped early) and drop it."""
-        self.drain()
+    def close(self, wait: bool = True) -> None:
+        """After training: drop a batch still in flight, after its answer (`wait`), or at once (the thread is a daemon
+        and writes only to the dropped `Pending`): an error or an interrupt does not wait for the server."""
+        if wait:
+            self.drain()
         self.pending = None
 
     # --- Checkpoints ----------------------------------------------------------------------------------------------
