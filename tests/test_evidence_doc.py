@@ -94,6 +94,8 @@ REPORTS = [
     ("mismatch_study", ["--no_figures"], ("report.json", "report.md")),
     ("truncation_study", [], ("report.json", "report.md")),
     ("truncation_study/pilot", [], ("report.json", "report.md")),
+    ("off_policy_study", [], ("report.json", "report.md")),
+    ("off_policy_study/pilot", [], ("report.json", "report.md")),
 ]
 
 
@@ -120,10 +122,11 @@ def test_every_report_reproduces_from_its_runs_table(tmp_path, monkeypatch, caps
     from datasets import Dataset
 
     import compare_estimators
+    import off_policy_study
     import truncation_study
 
     scripts = {"compare_estimators": compare_estimators, "mismatch_study": mismatch_study,
-               "truncation_study": truncation_study}
+               "truncation_study": truncation_study, "off_policy_study": off_policy_study}
     for study, flags, files in REPORTS:
         committed = REPO / "benchmarks" / "results" / study
         out = tmp_path / study
