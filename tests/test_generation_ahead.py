@@ -120,3 +120,21 @@ def test_a_failed_request_answers_one_eos_per_completion():
     prompts, completions, logprobs, ids = empty_answer(7, [[1, 2], [3]], 2)
     assert prompts == [[1, 2], [3]] and completions == [[7]] * 4 and logprobs == [[[0.0]]] * 4 and ids == [[[7]]] * 4
     assert torch.tensor(logprobs).shape == (4, 1, 1)
+
+
+def test_a_generation_batch_that_ends_inside_an_optimizer_step_is_refused():
+    """Trainer takes an optimizer step's micro-batches at once: a batch sampled ahead must start at an optimizer
+    step, so `steps_per_generation * num_iterations` is a multiple of `gradient_accumulation_steps`."""
+    from trl_rpp import RPPConfig
+
+    cpu = dict(output_dir="/tmp/o", bf16=False, use_cpu=True)
+    with pytest.raises(ValueError, match=r"^max_staleness=1 is not supported with steps_per_generation=1, "
+                                         r"num_iterations=1, gradient_accumulation_steps=2; accepted: 0\."):
+        RPPConfig(**cpu, gradient_accumulation_steps=2, steps_per_generation=1, **SERVER)
+    with pytest.raises(ValueError, match=r"^max_staleness=1 is not supported with steps_per_generation=3"):
+        RPPConfig(**cpu, gradient_accumulation_steps=2, steps_per_generation=3, **SERVER)
+    for spg, iterations, ga in ((None, 1, 2), (2, 1, 2), (1, 2, 2), (4, 1, 2), (1, 1, 1)):
+        config = RPPConfig(**cpu, steps_per_generation=spg, num_iterations=iterations, gradient_accumulation_steps=ga,
+                           **SERVER)
+        assert config.max_staleness == 1
+    RPPConfig(**cpu, gradient_accumulation_steps=2, steps_per_generation=1)  # max_staleness=0: any

@@ -503,6 +503,13 @@ _RULES = [
           "own; colocated vLLM and transformers' generate run on the trainer's, so generation and training could not "
           "overlap.", when=lambda c: not (c.use_vllm and c.vllm_mode == "server"),
           under="use_vllm={use_vllm!r}, vllm_mode={vllm_mode!r}"),
+    _Rule("max_staleness", _equals(0), "0", "A batch sampled ahead must span whole optimizer steps "
+          "(steps_per_generation * num_iterations a multiple of gradient_accumulation_steps): then it is sampled by "
+          "the weights of exactly one generation batch earlier, and its prompts are read before Trainer takes them.",
+          when=lambda c: ((c.steps_per_generation or c.gradient_accumulation_steps) * c.num_iterations)
+          % c.gradient_accumulation_steps != 0,
+          under="steps_per_generation={steps_per_generation!r}, num_iterations={num_iterations!r}, "
+          "gradient_accumulation_steps={gradient_accumulation_steps!r}"),
     _Rule("vllm_importance_sampling_mode", lambda x: x in ("token_truncate", "token_mask"),
           "'token_truncate', 'token_mask' (or vllm_importance_sampling_correction=False)",
           "A sequence-level weight is the product of its tokens' ratios: one batch stale, a mean log-ratio of 0.005 "
