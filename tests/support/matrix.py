@@ -2,9 +2,12 @@
 the trainer is built (tests/test_matrix.py runs it; docs/robustness.md shows its table, `python tests/support/matrix.py`).
 
 The axes are declared once, in `AXES`; a new axis joins by one line there (and, if it needs it, one line in
-`config_of`). `CELLS` is a pairwise covering array of them (allpairspy, then completed until every pair is in some
-cell), restricted by `applies` (an axis that does not apply to a cell takes its "n/a" value). Pairs that
-`RPPConfig`/`RPPTrainer` refuse are declared in `REFUSALS` with their reason, and get cells of their own.
+`config_of`). `CELLS` is a pairwise covering array of them (built greedily, `build_cells`), restricted by `applies`
+(an axis that does not apply to a cell takes its "n/a" value). Pairs that `RPPConfig`/`RPPTrainer` refuse are
+declared in `REFUSALS` with their reason and where they are refused, and get cells of their own.
+
+The `vllm_server` cells train against one real vLLM server (`trl-rpp vllm-serve`, float32, on this machine's CPU,
+weights through a directory), whose address the runner reads from `SERVER_URL_ENV`; tests/test_matrix.py starts it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import itertools
 import json
 import os
 import sys
+import time
+from typing import Callable, NamedTuple
 
 AXES = {
     "estimator": ("reinforce_plus_plus", "reinforce_plus_plus_baseline"),
@@ -21,7 +26,7 @@ AXES = {
     "generation_config": ("none", "qwen3"),  # the model's own: none, or sampling defaults like Qwen3's
     "sampler": ("temperature=1", "temperature=0.7", "top_k", "top_p+top_k", "min_p+top_k"),
     "score_centering": ("off", "on"),
-    "generation": ("transformers", "vllm"),
+    "generation": ("transformers", "vllm", "vllm_server"),  # vllm: colocated; vllm_server: `trl-rpp vllm-serve`
     "vllm_importance_sampling_mode": ("n/a", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
     "rollouts": ("single_turn", "tools", "rollout_func"),
     "steps_per_generation": (1, 2),
@@ -29,8 +34,10 @@ AXES = {
     "gradient_accumulation_steps": (1, 2),
     "gradient_checkpointing": ("off", "on"),
     "processes": (1, 2),
+    "max_staleness": (0, 1),  # 1: the next batch is sampled on the server while this one trains
 }
 NAMES = tuple(AXES)
+FIRST = {n: AXES[n][0] for n in NAMES}  # every axis at its first value: a cell that trains, for the extra cases
 SAMPLERS = {
     "temperature=1": dict(temperature=1.0),
     "temperature=0.7": dict(temperature=0.7),
@@ -43,33 +50,67 @@ QWEN3_GENERATION = dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
 
 
 def applies(values: dict) -> bool:
-    """Whether a (partial) assignment is a cell: the importance-sampling mode is vLLM's, so it is "n/a" exactly on
-    the transformers path; a `rollout_func` samples by itself (here with transformers' `generate`), so its cells
-    take the transformers path."""
+    """Whether a (partial) assignment is a cell: the importance-sampling mode is vLLM's (colocated or server), so it
+    is "n/a" exactly on the transformers path; a `rollout_func` samples by itself (here with transformers'
+    `generate`), so its cells take the transformers path."""
     gen, mode, rollouts = values.get("generation"), values.get("vllm_importance_sampling_mode"), values.get("rollouts")
     if gen is not None and mode is not None and (gen == "transformers") != (mode == "n/a"):
         return False
-    if rollouts == "rollout_func" and gen == "vllm":
+    if rollouts == "rollout_func" and gen in ("vllm", "vllm_server"):
         return False
     if rollouts == "rollout_func" and mode not in (None, "n/a"):
         return False
     return True
 
 
-# (predicate on a partial assignment, the fields the ValueError names, why): a combination refused at construction.
+class Refusal(NamedTuple):
+    """A combination refused at construction: `when` (a predicate on a partial assignment) holds; `stage` is where,
+    "config" (`RPPConfig`) or "trainer" (`RPPTrainer`, before any model is loaded or server reached); `fields`, what
+    the ValueError names; `why`."""
+
+    when: Callable[[dict], bool]
+    stage: str
+    fields: tuple
+    why: str
+
+
+SEQUENCE_MODES = ("sequence_truncate", "sequence_mask")
+
+
+def _lag_without_server(v: dict) -> bool:
+    """max_staleness=1 where no server samples: transformers (which "n/a" and a `rollout_func` imply) or colocated."""
+    return v.get("max_staleness") == 1 and (v.get("generation") in ("transformers", "vllm")
+                                            or v.get("vllm_importance_sampling_mode") == "n/a"
+                                            or v.get("rollouts") == "rollout_func")
+
+
+# In the order `RPPConfig`, then `RPPTrainer`, check them: a cell is refused by the first it meets.
 REFUSALS = (
-    (lambda v: v.get("score_centering") == "on"
-     and v.get("vllm_importance_sampling_mode") in ("sequence_truncate", "sequence_mask"),
-     ("vllm_importance_sampling_mode", "score_centering=True"),
-     "a sequence-level importance weight is shared by all tokens of a response and has no per-token form to center"),
+    Refusal(_lag_without_server, "config", ("max_staleness", "use_vllm", "vllm_mode"),
+            "a batch is sampled ahead only on a vLLM server, which runs on devices of its own"),
+    Refusal(lambda v: v.get("max_staleness") == 1 and v.get("vllm_importance_sampling_mode") in SEQUENCE_MODES,
+            "config", ("vllm_importance_sampling_mode", "max_staleness=1"),
+            "a sequence-level weight, one batch stale, is the product of many tokens' ratios"),
+    Refusal(lambda v: v.get("score_centering") == "on" and v.get("vllm_importance_sampling_mode") in SEQUENCE_MODES,
+            "config", ("vllm_importance_sampling_mode", "score_centering=True"),
+            "a sequence-level importance weight is shared by all tokens of a response and has no per-token form to "
+            "center"),
+    Refusal(lambda v: v.get("max_staleness") == 1 and all(k in v for k in (
+                "steps_per_generation", "num_iterations", "gradient_accumulation_steps"))
+            and v["steps_per_generation"] * v["num_iterations"] % v["gradient_accumulation_steps"] != 0,
+            "config", ("max_staleness", "steps_per_generation"),
+            "a batch sampled ahead spans whole optimizer steps"),
+    Refusal(lambda v: v.get("max_staleness") == 1 and v.get("rollouts") == "tools",
+            "trainer", ("tools", "max_staleness=1"),
+            "the batch sampled ahead is one request on its prompts alone; TRL's tool loop generates again inside it"),
 )
 
 
-def refusal(values: dict):
-    """``(fields, why)`` of the first refusal that a (partial) assignment meets, else None."""
-    for when, fields, why in REFUSALS:
-        if when(values):
-            return fields, why
+def refusal(values: dict) -> Refusal | None:
+    """The first refusal that a (partial) assignment meets, else None."""
+    for row in REFUSALS:
+        if row.when(values):
+            return row
     return None
 
 
@@ -90,8 +131,13 @@ def all_pairs():
     return trains, refused
 
 
-def _complete(partial: dict, ok) -> dict | None:
-    """A full cell extending `partial` that `ok` accepts, choosing each free axis's values in order (depth first)."""
+def _trains(values: dict) -> bool:
+    return applies(values) and refusal(values) is None
+
+
+def _complete(partial: dict, ok, prune=lambda values: False) -> dict | None:
+    """A full cell extending `partial` that `ok` accepts, choosing each free axis's values in order (depth first),
+    never through a partial assignment that `prune` rejects."""
     free = [n for n in NAMES if n not in partial]
 
     def extend(values, rest):
@@ -99,7 +145,7 @@ def _complete(partial: dict, ok) -> dict | None:
             return values if ok(values) else None
         for v in AXES[rest[0]]:
             trial = {**values, rest[0]: v}
-            if applies(trial):
+            if applies(trial) and not prune(trial):
                 found = extend(trial, rest[1:])
                 if found is not None:
                     return found
@@ -108,27 +154,54 @@ def _complete(partial: dict, ok) -> dict | None:
     return extend(dict(partial), free)
 
 
+def _can_train(partial: dict) -> bool:
+    """Whether some cell extending `partial` trains (a refusal that a partial assignment meets, every extension
+    meets too)."""
+    return _trains(partial) and _complete(partial, _trains, prune=lambda v: refusal(v) is not None) is not None
+
+
+CANDIDATES = 30  # cells tried for each cell kept
+
+
 def build_cells():
-    """The covering array: allpairspy's pairwise cells among the combinations that train, completed with a cell for
-    each pair it missed; then one cell for each refused pair."""
-    from allpairspy import AllPairs
+    """The covering array, built greedily (AETG: Cohen et al., IEEE TSE 1997): each cell is the best of
+    `CANDIDATES` tries (seeded), each starting from a pair no cell holds yet and giving the other axes, in a random
+    order, the value that holds the most uncovered pairs with the values already chosen, among those that leave the
+    cell able to train; until every pair that some training cell can hold is held. Then one cell for each refused
+    pair, refused for that pair's reason where a cell can be. (A generic pairwise generator, allpairspy, takes 51
+    cells for these axes, 28 of them against the server: it gives `max_staleness=1`, which trains only there, to about
+    half its rows.)"""
+    import random
 
-    def trains(values):
-        return applies(values) and refusal(values) is None
-
-    order = sorted(NAMES, key=lambda n: -len(AXES[n]))  # allpairspy covers in fewer rows with the widest axes first
-    rows = AllPairs([list(AXES[n]) for n in order], filter_func=lambda row: trains(dict(zip(order, row))))
-    cells = [{n: dict(zip(order, row))[n] for n in NAMES} for row in rows]
+    rng = random.Random(0)
     training_pairs, refused_pairs = all_pairs()
+    uncovered, cells = set(training_pairs), []
+    position = {n: i for i, n in enumerate(NAMES)}
+
+    def pair(a, x, b, y):
+        return ((a, x), (b, y)) if position[a] < position[b] else ((b, y), (a, x))
+
+    while uncovered:
+        best, best_gain = None, -1
+        seeds = sorted(uncovered, key=str)
+        for _ in range(CANDIDATES):
+            values = dict(rng.choice(seeds))
+            rest = [n for n in NAMES if n not in values]
+            rng.shuffle(rest)
+            for name in rest:
+                gains = [(sum(pair(name, v, m, values[m]) in uncovered for m in values), -i, v)
+                         for i, v in enumerate(AXES[name]) if _can_train({**values, name: v})]
+                values[name] = max(gains)[2]  # the most new pairs; on a tie, the axis's first value
+            gain = len(_pairs_of(values) & uncovered)
+            if gain > best_gain:
+                best, best_gain = {n: values[n] for n in NAMES}, gain
+        cells.append(best)
+        uncovered -= _pairs_of(best)
     covered = set().union(*(_pairs_of(c) for c in cells))
-    for pair in sorted(training_pairs - covered, key=str):
-        if pair not in covered:
-            cell = _complete(dict(pair), trains)
-            cells.append(cell)
-            covered |= _pairs_of(cell)
-    for pair in sorted(refused_pairs, key=str):
-        if pair not in covered:
-            cell = _complete(dict(pair), lambda v: True)
+    for refused in sorted(refused_pairs, key=str):
+        if refused not in covered:  # a cell refused for this pair's reason where one exists, else for another
+            why = refusal(dict(refused))
+            cell = _complete(dict(refused), lambda v: refusal(v) == why) or _complete(dict(refused), lambda v: True)
             cells.append(cell)
             covered |= _pairs_of(cell)
     return cells
@@ -176,7 +249,20 @@ def config_of(cell: dict, outdir: str):
     if cell["generation"] == "vllm":
         kw.update(use_vllm=True, vllm_mode="colocate", vllm_dtype="float32", vllm_gpu_memory_utilization=0.1,
                   vllm_max_model_length=256, vllm_importance_sampling_mode=cell["vllm_importance_sampling_mode"])
-    return RPPConfig(**kw)
+    elif cell["generation"] == "vllm_server":  # float32: the server's own dtype (`trl-rpp vllm-serve`'s default)
+        kw.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=server_url(),
+                  vllm_server_weight_sync="disk", vllm_server_weight_dir=os.path.join(outdir, "weights"),
+                  vllm_importance_sampling_mode=cell["vllm_importance_sampling_mode"])
+    return RPPConfig(max_staleness=cell["max_staleness"], **kw)
+
+
+# The address of the server the `vllm_server` cells train against (tests/test_matrix.py starts it and sets this). A
+# refused cell never reaches it: the default is an address that nothing listens on.
+SERVER_URL_ENV = "RPP_MATRIX_SERVER_URL"
+
+
+def server_url() -> str:
+    return os.environ.get(SERVER_URL_ENV, "http://127.0.0.1:9")
 
 
 # The warm-up stops at this mean token loss: the model calls its tool, yet keeps more than one token above `min_p` and
@@ -289,12 +375,15 @@ def run_cell(cell: dict, outdir: str, paths: dict) -> dict:
     except ValueError as err:
         return {"outcome": "refused", "stage": "trainer", "message": str(err)}
     trainable = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    start = time.perf_counter()
     trainer.train()
+    seconds = time.perf_counter() - start
     after = dict(trainer.model.named_parameters())
     moved = max(float((after[n].detach() - p).abs().max()) for n, p in trainable.items())
     history = [row for row in trainer.state.log_history if "loss" in row]
     return {
         "outcome": "trains", "steps": trainer.state.global_step, "moved": moved, "trainable": len(trainable),
+        "seconds": seconds,
         "losses": [row["loss"] for row in history],
         "keys": sorted({k for row in trainer.state.log_history for k in row}),
         "first": {k: v for k, v in history[0].items() if isinstance(v, (int, float))} if history else {},
@@ -316,7 +405,7 @@ def run_vllm_tie(outdir: str, paths: dict) -> dict:
         head.copy_(head[:1].expand_as(head))
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(paths["none"]).save_pretrained(path)
-    cell = dict(CELLS[0], sampler="top_k", generation="vllm", vllm_importance_sampling_mode="token_truncate")
+    cell = dict(FIRST, sampler="top_k", generation="vllm", vllm_importance_sampling_mode="token_truncate")
     args = config_of(cell, os.path.join(outdir, "run"))
     args.top_k, args.max_steps = 2, 1
     trainer = trainer_of(cell, args, {"none": path})
@@ -338,7 +427,9 @@ def expected_keys(cell: dict) -> set:
     if cell["score_centering"] == "on":
         keys |= {"score_centering/sampler_head_mass", "score_centering/trainer_head_mass", "score_centering/coeff_l1",
                  "score_centering/sampler_logp_abs_diff"}
-    if cell["generation"] == "vllm":
+    if cell["generation"] == "vllm_server":
+        keys |= {"sampling/staleness"}
+    if cell["generation"] in ("vllm", "vllm_server"):
         keys |= {"sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
                  "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
                  "sampling/importance_sampling_ratio/max"}
@@ -359,9 +450,12 @@ TABLE_END = "<!-- end of the combination matrix -->"
 SHORT = {"reinforce_plus_plus": "rpp", "reinforce_plus_plus_baseline": "baseline"}
 
 
+STAGES = {"config": "RPPConfig", "trainer": "RPPTrainer"}
+
+
 def outcome_of(cell: dict) -> str:
     found = refusal(cell)
-    return "trains" if found is None else f"refused: {', '.join(found[0])} ({found[1]})"
+    return "trains" if found is None else f"refused by {STAGES[found.stage]}: {', '.join(found.fields)} ({found.why})"
 
 
 def table() -> str:
@@ -372,8 +466,9 @@ def table() -> str:
         values = [SHORT.get(str(cell[n]), str(cell[n])) for n in NAMES]
         rows.append(f"| {i} | " + " | ".join(values) + f" | {outcome_of(cell)} |")
     training, refused = all_pairs()
-    summary = (f"{len(CELLS)} cells cover all {len(training) + len(refused)} pairs of values of two axes "
-               f"({len(refused)} of them refused at construction).")
+    server = sum(c["generation"] == "vllm_server" for c in CELLS)
+    summary = (f"{len(CELLS)} cells ({server} of them against a vLLM server) cover all {len(training) + len(refused)} "
+               f"pairs of values of two axes ({len(refused)} of them refused at construction).")
     return "\n".join([TABLE_START, summary, "", *rows, TABLE_END])
 
 
