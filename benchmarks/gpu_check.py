@@ -3,6 +3,7 @@ vocabulary, and step time vs GRPO.
 
     python benchmarks/gpu_check.py                           # on cuda: at most 9 minutes on one H200
     python benchmarks/gpu_check.py --parts lm_head           # only the named parts
+    python benchmarks/gpu_check.py --parts off_policy        # generation ahead on a vLLM server (needs vLLM)
     python benchmarks/gpu_check.py --device cpu --tiny       # the CPU rehearsal (tests/test_gpu_check.py)
 
 Writes `report.json` and `report.md` under `--out` (default `outputs/gpu_check`) and prints the markdown. Each part
@@ -43,6 +44,19 @@ step_time: `RPPTrainer` (reinforce_plus_plus and reinforce_plus_plus_baseline) a
     on that same model, bf16, transformers generation of a fixed length (`min_new_tokens` = max_completion_length,
     so no early EOS), arms alternating in one process as in benchmarks/step_time.py; the first step of each round
     is warm-up. Reported: median step time per arm, ratio to GRPO, mean completion length.
+off_policy (only when `--parts` names it; it needs vLLM, which benchmarks/gpu_wheels.sh does not bring, and says
+    "skipped" without it): the two arms of benchmarks/off_policy.py, `max_staleness` 0 and 1, REINFORCE++-baseline
+    against one vLLM server started with `trl-rpp vllm-serve --model M --port P --weight_sync nccl` (`--dtype
+    bfloat16 -- --enforce-eager`: no compilation or CUDA graph capture, so that it starts within the budget), on a
+    random-init Qwen3 of Qwen3-0.6B's shape (`--tiny`: 2 layers, hidden 128, vocabulary 4,096), bf16, a batch of 64
+    (8 per prompt) of completions of exactly 256 tokens (vLLM's `ignore_eos`), rounds alternating as there. The
+    trainer takes the first visible GPU and the server the last; NCCL refuses two ranks on one GPU, so with a single
+    GPU the server shares it (`--gpu-memory-utilization 0.3`) and the weights go through a directory
+    (`--weight_sync disk`), as on `--device cpu`. One trainer (max_staleness=1) runs both arms, its generation ahead
+    detached in the lag-0 rounds: a server keeps one NCCL group, that of the last trainer that joined it. Reported:
+    each arm's median step, generation, training and sync time, the ideal `sync + max(generation, training)` and
+    lag 1's step against it (target <= 1.15) and against lag 0's (target <= 0.75 where generation and training are
+    within 2x); pass/fail, not the exit code.
 environment: versions, the device's name, each part's wall time.
 
 Exit code: 0 when every part run (all, or those `--parts` names) finished and every numerics case is within its
@@ -77,8 +91,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-# Seconds per part (child process); their sum plus the model build stays under 9 minutes on one H200.
-BUDGETS_S = {"numerics": 90, "score_centering": 120, "sampling": 60, "lm_head": 60, "step_time": 180}
+# Seconds per part (child process); the sum of the default parts' plus the model build stays under 9 minutes on one
+# H200 (off_policy, which starts a vLLM server, runs only when named).
+BUDGETS_S = {"numerics": 90, "score_centering": 120, "sampling": 60, "lm_head": 60, "step_time": 180,
+             "off_policy": 420}
+# The parts a run without --parts runs; off_policy needs vLLM and runs when `--parts` names it.
+DEFAULT_PARTS = ("numerics", "score_centering", "sampling", "lm_head", "step_time")
 ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 TOL_F32 = {"advantages": dict(rtol=1e-5, atol=1e-5), "gradient": dict(rtol=1e-4, atol=1e-6)}
 TOL_BF16_GRAD_REL_L2 = 2.0**-3
@@ -94,10 +112,15 @@ QWEN3_TINY = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hi
                   num_key_value_heads=2, head_dim=16)
 SIZES = {  # score centering: batch x completion tokens; step time: batch (= prompts x 8) x completion tokens
     False: dict(sc_batch=8, sc_length=2048, st_batch=32, st_length=128, st_rounds=3, st_steps=4, sc_rounds=5,
-                lm_vocab=151_936, lm_hidden=128, lm_positions=(2048, 4096, 8192, 16384), lm_rounds=5),
+                lm_vocab=151_936, lm_hidden=128, lm_positions=(2048, 4096, 8192, 16384), lm_rounds=5,
+                op_batch=64, op_generations=8, op_length=256, op_rounds=2, op_steps=6, op_warmup=2),
     True: dict(sc_batch=2, sc_length=32, st_batch=8, st_length=8, st_rounds=2, st_steps=2, sc_rounds=2,
-               lm_vocab=512, lm_hidden=16, lm_positions=(64, 128), lm_rounds=2),
+               lm_vocab=512, lm_hidden=16, lm_positions=(64, 128), lm_rounds=2,
+               op_batch=4, op_generations=2, op_length=16, op_rounds=2, op_steps=4, op_warmup=1),
 }
+# Part off_policy with --tiny: a small Qwen3 whose head size vLLM's CPU attention has kernels for (64).
+QWEN3_OFF_POLICY_TINY = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, head_dim=64)
 
 
 def sync(device):
@@ -110,9 +133,9 @@ def sync(device):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def build_qwen3(path, tiny, seed=0):
+def build_qwen3(path, tiny, seed=0, shape=None):
     """Random-init Qwen3 (vocabulary 151,936, tied embeddings as in Qwen3-0.6B) saved in bf16 with the char
-    tokenizer (ids past its 46 tokens decode to nothing, which no reward here reads)."""
+    tokenizer (ids past its 46 tokens decode to nothing, which no reward here reads). `shape`: other sizes."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from trl_rpp.testing.tiny import char_tokenizer
@@ -121,7 +144,7 @@ def build_qwen3(path, tiny, seed=0):
     config = Qwen3Config(
         max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-        **(QWEN3_TINY if tiny else QWEN3_06B),
+        **(shape or (QWEN3_TINY if tiny else QWEN3_06B)),
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.bfloat16)
@@ -501,6 +524,89 @@ def part_step_time(opts, deadline):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Part off_policy
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def off_policy_placement(device):
+    """(transport, the server's CUDA_VISIBLE_DEVICES or None, why). The trainer takes the first visible GPU. NCCL
+    refuses two ranks on one GPU ("Duplicate GPU detected"), so the server takes the last visible GPU and the weights
+    go over NCCL when there are two or more; with one, the server shares it and the weights go through a directory."""
+    if device != "cuda":
+        return "disk", None, "no CUDA: the disk transport (NCCL needs CUDA)"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = torch.cuda.device_count()
+    ids = [x for x in visible.split(",") if x.strip()] if visible else [str(i) for i in range(count)]
+    if len(ids) >= 2:
+        return "nccl", ids[-1], f"{len(ids)} GPUs: the trainer on GPU {ids[0]}, the server on GPU {ids[-1]}"
+    return "disk", ids[0], ("one GPU, shared by the server and the trainer: NCCL refuses two ranks on one GPU "
+                            "(\"Duplicate GPU detected\"), so the weights go through a directory")
+
+
+def part_off_policy(opts, deadline):
+    """The two arms of benchmarks/off_policy.py (max_staleness 0 and 1, REINFORCE++-baseline, alternating rounds)
+    against one vLLM server started with `trl-rpp vllm-serve`, on a random-init Qwen3 of its own."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("vllm") is None:
+        return {"skipped": "vLLM is not installed here (the server and TRL's client need it)"}
+    from off_policy import (Phases, free_port, make_trainer, run_rounds, server_command, start_server, stop_server,
+                            summarize)
+
+    s, cuda = SIZES[opts.tiny], opts.device == "cuda"
+    transport, server_gpu, why = off_policy_placement(opts.device)
+    shape = QWEN3_OFF_POLICY_TINY if opts.tiny else QWEN3_06B
+    tmp = tempfile.mkdtemp()
+    log = open(os.path.join(tmp, "server.log"), "w")
+    server = None
+    try:
+        model = os.path.join(tmp, "qwen3")
+        build_qwen3(model, opts.tiny, shape=shape)
+        port, weight_dir = free_port(), os.path.join(tmp, "weights")
+        vllm_args = ["--enforce-eager"] if cuda else []  # no compilation or CUDA graph capture: a start in budget
+        if cuda and transport == "disk":  # one GPU, shared: the server leaves the trainer most of its memory
+            vllm_args += ["--gpu-memory-utilization", "0.3"]
+        cmd = server_command(model, port, 64 + s["op_length"], weight_dir if transport == "disk" else None,
+                             transport, "bfloat16" if cuda else None, vllm_args)
+        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": server_gpu} if server_gpu is not None else {}))
+        t = time.monotonic()
+        server = start_server(cmd, port, log, env=env, deadline=deadline)
+        server_start_s = time.monotonic() - t
+        sizes = argparse.Namespace(batch=s["op_batch"], num_generations=s["op_generations"], free_length=False,
+                                   completion_length=s["op_length"], steps=s["op_steps"])
+        phases = Phases()
+        overrides = dict(use_cpu=not cuda, bf16=cuda, vllm_server_weight_sync=transport)
+        # One trainer (max_staleness=1) for both arms: a server keeps one NCCL group, that of the last trainer that
+        # joined it. Its generation ahead is detached in the lag-0 rounds, where it then trains as max_staleness=0.
+        trainer = make_trainer("lag1", model, sizes, tmp, f"http://127.0.0.1:{port}", phases, **overrides)
+        ahead = trainer._rpp_ahead
+
+        def before_round(arm):
+            sync(opts.device)
+            trainer._rpp_ahead = ahead if arm == "lag1" else None
+
+        rounds = run_rounds({"lag0": trainer, "lag1": trainer}, phases, s["op_rounds"], deadline, before_round)
+    except BaseException:
+        log.flush()
+        print(f"the server's log, its end:\n{open(log.name).read()[-3000:]}", file=sys.stderr)
+        raise
+    finally:
+        if server is not None:
+            stop_server(server)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    arms, summary = summarize(phases, s["op_warmup"])
+    return {"transport": transport, "placement": why, "arms_by": "one trainer, max_staleness=1, its generation ahead "
+            "detached in the lag-0 rounds", "server_command": " ".join(cmd), "server_start_s": server_start_s,
+            "model_shape": shape, "precision": "bf16" if cuda else "float32", "batch": s["op_batch"],
+            "num_generations": s["op_generations"], "completion_length": s["op_length"],
+            "steps_per_round": s["op_steps"], "warmup": s["op_warmup"], "rounds": rounds, "summary": summary,
+            "arms": {arm: {k: a[k] for k in ("max_staleness", "timed_steps", "dropped_steps", "median", "phases")}
+                     for arm, a in arms.items()}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Environment, driver, report
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -524,7 +630,7 @@ def environment(device):
 
 
 PARTS = {"numerics": part_numerics, "score_centering": part_score_centering, "sampling": part_sampling,
-         "lm_head": part_lm_head, "step_time": part_step_time}
+         "lm_head": part_lm_head, "step_time": part_step_time, "off_policy": part_off_policy}
 QWEN3_PARTS = ("score_centering", "sampling", "step_time")  # the parts that train the model `build_qwen3` saves
 
 
@@ -622,6 +728,17 @@ def markdown(report):
                   f"per arm", "", "| arm | median step (s) | ratio vs GRPO | mean completion length |", "|---|---|---|---|"]
         for arm, a in st["arms"].items():
             lines.append(f"| {arm} | {a['median_step_s']:.4f} | {a['ratio_vs_grpo']:.3f} | {a['mean_completion_length']:.1f} |")
+    op = parts.get("off_policy", {}).get("result")
+    if op and "skipped" in op:
+        lines += ["", f"## Generation ahead (max_staleness 1 vs 0): skipped: {op['skipped']}"]
+    elif op:
+        from off_policy import table
+
+        v = op["summary"]
+        lines += ["", f"## Generation ahead (max_staleness 1 vs 0): weights over {op['transport']}, batch "
+                  f"{op['batch']} ({op['num_generations']} per prompt), {op['completion_length']} completion tokens, "
+                  f"{op['precision']}",
+                  "", f"{op['placement']}; the server up in {op['server_start_s']:.0f} s.", "", table(op["arms"], v)]
     for name, p in parts.items():
         if p["status"] != "ok":
             lines += ["", f"## {name}: {p['status']}", "", "```", p.get("log", "")[-1500:], "```"]
@@ -639,7 +756,8 @@ def parse_args(argv=None):
     ap.add_argument("--budget_s", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--budget_scale", type=float, default=1.0,
                     help="multiplies every part's time budget (for a slow or shared CPU; the budgets fit one H200)")
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"the parts to run, comma-separated (default: {','.join(PARTS)})")
+    ap.add_argument("--parts", default=",".join(DEFAULT_PARTS), help=f"the parts to run, comma-separated, of "
+                    f"{', '.join(PARTS)} (default: {','.join(DEFAULT_PARTS)})")
     opts = ap.parse_args(argv)
     parts = opts.parts.split(",")
     if any(p not in PARTS for p in parts) or len(set(parts)) < len(parts):
