@@ -1116,6 +1116,8 @@ def test_preempted_and_killed_with_a_batch_in_flight_resume_exactly(tmp_path_fac
     assert saved["weight_version"] == 2 and len(saved["answer"][1]) == 8, saved  # batch 4, answered
     assert runs["killed_process"]["returncode"] == -signal.SIGKILL and killed["killed"]
     torn = os.path.join(str(runs["outdir"]), "chain", "checkpoint-4")
+    assert after["refused"]["type"] == "DamagedCheckpointError", after["refused"]  # named: refused
+    assert after["refused"]["message"].startswith(f"{torn}/trainer_state.json is missing"), after["refused"]
     assert after["warnings"] == [f"trl_rpp: resume_from_checkpoint=True skips {torn}, which is incomplete: "
                                  f"{torn}/trainer_state.json is missing. Resuming from {checkpoint3} instead."]
     assert [r["version"] for r in after["requests"]] == [3]  # batch 5 only: batch 4 came from the checkpoint
@@ -1151,6 +1153,51 @@ def test_a_server_that_stops_with_a_batch_in_flight_stops_the_run_and_the_checkp
     two = ahead_runs("ahead_ddp", tmp_path_factory, vllm_model, vllm_server)["stopped"]
     messages = [two[r]["error"]["message"] for r in (0, 1)]
     assert messages[0] == messages[1] and "failed on process 0 of 2 while generating at step 3" in messages[0]
+
+
+def ahead_ddp_killed(tmp_path_factory, vllm_model, vllm_server):
+    """Two processes, after `ahead_ddp`'s preemption left checkpoint-3: a launch resumed from it whose processes are
+    both SIGKILLed saving checkpoint-4 (`killed_ddp`), then a launch that names the torn checkpoint-4 and resumes with
+    resume_from_checkpoint=True (`after_kill`)."""
+    from test_engines import start_launch
+
+    runs = ahead_runs("ahead_ddp", tmp_path_factory, vllm_model, vllm_server)
+    if "after_kill" not in runs:
+        outdir, server = runs["outdir"], vllm_server
+        args = [AHEAD_SCRIPT, str(outdir), vllm_model, server.base_url, str(server.server_process.pid)]
+        proc = start_launch("ddp.yaml", [*args, "killed_ddp"], extra_env=VLLM_ENV)
+        try:
+            out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            pytest.fail(f"the killed launch did not end\n{out[-3000:]}")
+        runs["killed_launch"] = {"returncode": proc.returncode, "output": out[-3000:]}
+        launch("ddp.yaml", [*args, "after_kill"], timeout=RUN_TIMEOUT_S, extra_env=VLLM_ENV)
+        for case in ("killed", "after_kill"):
+            runs[case] = {r: torch.load(outdir / f"{case}_rank{r}.pt", weights_only=False) for r in (0, 1)}
+    return runs
+
+
+def test_two_processes_killed_saving_with_a_batch_in_flight_refuse_the_torn_checkpoint_and_resume(
+        tmp_path_factory, vllm_model, vllm_server):
+    """Two processes resumed from checkpoint-3 are both SIGKILLed saving checkpoint-4 (the batch in flight and the
+    model written, no trainer_state.json): named, checkpoint-4 is refused on both with the same DamagedCheckpointError;
+    with resume_from_checkpoint=True both resume from checkpoint-3, train its batch in flight without a request, and
+    train steps 4 and 5 with the weight versions 2 and 3, each process its own slice."""
+    runs = ahead_ddp_killed(tmp_path_factory, vllm_model, vllm_server)
+    assert runs["killed_launch"]["returncode"] != 0 and all(runs["killed"][r]["killed"] for r in (0, 1))
+    after = runs["after_kill"]
+    torn = os.path.join(str(runs["outdir"]), "chain", "checkpoint-4")
+    for r in (0, 1):
+        refused = after[r]["refused"]
+        assert refused["type"] == "DamagedCheckpointError", refused
+        assert refused["message"].startswith(f"{torn}/trainer_state.json is missing"), refused["message"]
+        assert refused["message"] == after[0]["refused"]["message"]
+        assert [v["version"] for v in after[r]["versions"]] == [2, 3] and [q["version"] for q in after[r]["requests"]] == [3]
+        assert [h["step"] for h in after[r]["logs"] if "loss" in h][-2:] == [4, 5] and after[r]["error"] is None
+    assert after[0]["warnings"][0].startswith(f"trl_rpp: resume_from_checkpoint=True skips {torn}"), after[0]["warnings"]
+    assert after[0]["batches"][0]["completion_ids"].tolist() != after[1]["batches"][0]["completion_ids"].tolist()
 
 
 def test_two_processes_preempted_with_a_batch_in_flight_both_save_and_stop(tmp_path_factory, vllm_model, vllm_server):

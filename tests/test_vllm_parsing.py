@@ -302,7 +302,7 @@ def topk_trainer(engine):
     from trl_rpp.faults.engine import EngineFaults
 
     trainer = object.__new__(RPPTrainer)
-    trainer.use_vllm, trainer._rpp_width = True, 2
+    trainer.use_vllm, trainer._rpp_width, trainer._rpp_ahead = True, 2, None
     trainer.vllm_generation, trainer.eos_token_ids = engine, [0]
     trainer.state, trainer._last_loaded_step = NS(global_step=1), 0
     trainer.args, trainer.accelerator = NS(report_to=[]), NS(is_main_process=True)

@@ -8,8 +8,9 @@ server requests with their times, and the log history.
     accelerate launch --config_file ddp.yaml --num_processes 2 off_policy_script.py OUTDIR MODEL URL PGID CASES
 
 The fault chain (`preempt`, `killed`, `after_kill`) shares one output folder: SIGTERM in step 3 (checkpoint-3 holds
-the batch in flight); resumed from it and SIGKILLed while saving checkpoint-4 (a subprocess); resumed with
-`resume_from_checkpoint=True`, past the torn checkpoint-4. `straight` is the same run uninterrupted.
+the batch in flight); resumed from it and SIGKILLed while saving checkpoint-4 (a subprocess; with two processes,
+`killed_ddp` in a launch of its own); the torn checkpoint-4 refused when named, then resumed with
+`resume_from_checkpoint=True`, past it. `straight` is the same run uninterrupted.
 """
 
 import gc
@@ -289,14 +290,23 @@ def main():
             torch.save({"returncode": proc.returncode, "stderr": proc.stderr[-3000:]},
                        os.path.join(outdir, "killed_process.pt"))
             continue
-        if name == "killed_child":
+        if name in ("killed_child", "killed_ddp"):  # its own process (one), or its own launch (two): both die
             run(outdir, "killed", resume=os.path.join(outdir, "chain", "checkpoint-3"), kill_step=4)
             raise AssertionError("the save of checkpoint-4 was not killed")
         if name == "preempt":
             rank = 1 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0  # with two processes, one is signalled
             trainer, outcome = run(outdir, name, callbacks=[SignalAt(3, signal.SIGTERM, rank)])
         elif name == "after_kill":
+            from trl_rpp.faults.checkpoint import DamagedCheckpointError
+
+            try:  # the torn checkpoint named: refused before anything loads, on every process
+                build(outdir, name).train(resume_from_checkpoint=os.path.join(outdir, "chain", "checkpoint-4"))
+                refused = None
+            except DamagedCheckpointError as err:
+                refused = {"type": type(err).__name__, "message": str(err)}
+            gc.collect()
             trainer, outcome = run(outdir, name, resume=True)
+            outcome["refused"] = refused
         elif name == "stopped":
             trainer = build(outdir, name)
             stop = StopServerAfterSync(trainer, 2)
