@@ -30,7 +30,7 @@ What is measured, per optimizer step:
   cache reset);
 - generation, lag 0: the trainer's `_generate_single_turn` (the request to the server) minus the sync inside it;
 - generation, lag 1: the server's time for the batch trained at this step, the request's wall time in the thread that
-  sent it (`trl_rpp.engines.ahead.Pending.seconds`, kept by wrapping `GenerationAhead.launch`); and the wait at the
+  sent it (`trl_rpp.engines.ahead.Pending.seconds`, kept by wrapping `RPPTrainer._launch`); and the wait at the
   await, the time of `GenerationAhead.take`;
 - training: the step minus the sync minus the trainer's own share of generation (lag 0: the generation; lag 1: its
   `_generate_single_turn`, the await included, and its launch of the next batch, the sync excluded).
@@ -176,7 +176,7 @@ class Phases(StepTimer):
     def __init__(self):
         super().__init__()
         self.steps, self.current, self.round, self.arm = [], None, 0, None
-        self.in_take, self.pending_of_step = False, None
+        self.pending_of_step = None
 
     def on_step_begin(self, args, state, control, **kw):
         self.current = dict(arm=self.arm, round=self.round, step=state.global_step, sync_s=0.0, syncs=0,
@@ -229,20 +229,13 @@ def instrument(trainer, phases):
     ahead = trainer._rpp_ahead
     if ahead is None:
         return
-    launch, take = ahead.launch, ahead.take
+    launch, take = trainer._launch, ahead.take  # the trainer's launch: the sync, then the request
 
     def timed_launch(*args, **kwargs):
-        if phases.in_take:  # the first batch of a round, launched and awaited inside `take`: counted there
-            return launch(*args, **kwargs)
         return _timed(phases, launch, "launch_s", "sync_in_launch_s")(*args, **kwargs)
 
     def timed_take(*args, **kwargs):
-        phases.in_take = True
-        try:
-            out = _timed(phases, take, "take_s")(*args, **kwargs)
-        finally:
-            phases.in_take = False
-        return out
+        return _timed(phases, take, "take_s")(*args, **kwargs)
 
     def kept_launch(*args, **kwargs):  # keeps the Pending that `take` will await, to read its `seconds`
         pending = timed_launch(*args, **kwargs)
@@ -258,7 +251,7 @@ def instrument(trainer, phases):
             phases.current["taken_weight_version"] = pending.weight_version
         return out
 
-    ahead.launch, ahead.take = kept_launch, taking
+    trainer._launch, ahead.take = kept_launch, taking
 
 
 def derived(step, lag):

@@ -61,6 +61,7 @@ Batch keys written at generation and read by `_compute_loss` (``B`` local rows, 
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -85,7 +86,8 @@ from .faults.rewards import check_module_rewards, guard_reward_funcs
 from .metrics import advantage_metrics, advantage_statistics, loss_metrics, loss_statistics, reduce_across_processes
 from .metrics import warn_empty_batch
 from .model_card import REINFORCE_PP_PAPER, build_model_card
-from .patches import borrowed_beta, request_logprobs, vllm_engine_args, without_nccl_group
+from .patches import borrowed_beta, request_logprobs, sync_engine_weights, tokenize_prompts, vllm_engine_args
+from .patches import without_nccl_group
 from .records.capture import SamplerSupportCapture, SamplerTopKCapture, capturing_generate
 from .records.generation import Generation, GenerationRecord, current_record, recording, use_record
 from .records.head import has_lora_head, install_head_reader, lora_head_allowed
@@ -206,7 +208,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
             )
         use_weight_sync(self, disk_sync)  # a CPU engine, or a server through a directory, needs its own (trl_rpp.engines)
         check_generation_ahead(args, is_vlm=self._is_vlm)
-        self._rpp_ahead = generation_ahead(self)  # max_staleness=1: the batch in flight (trl_rpp.engines.ahead)
+        # max_staleness=1: the batch in flight (trl_rpp.engines.ahead)
+        self._rpp_ahead = generation_ahead(args.max_staleness, getattr(self, "vllm_generation", None))
         if self._rpp_width and args.use_vllm:
             request_logprobs(self.vllm_generation, self._rpp_width)
         # vLLM server mode, on process 0 (TRL's only client): a failed call is kept in the faults of the batch being
@@ -289,7 +292,23 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         micro_now = self.state.global_step * ga + step % ga
         inputs = self._rpp_ahead.next_inputs(step, generate_every, micro_now, self.state.max_steps * ga)
         if inputs is not None:
-            self._rpp_ahead.launch(self, [x["prompt"] for x in inputs], self.num_generations)
+            self._launch(tokenize_prompts(self, copy.deepcopy([x["prompt"] for x in inputs])), self.num_generations)
+
+    def _launch(self, prompt_ids, num_generations):
+        """Sync the weights to the idle server if they changed (a failed sync stops the run here, on every process),
+        then send the batch's prompts ahead (`engines.ahead.GenerationAhead.launch`)."""
+        faults = EngineFaults()
+        faults.call(lambda: sync_engine_weights(self))
+        faults.settle(self)
+        return self._rpp_ahead.launch(prompt_ids, num_generations, self.state.global_step, self.accelerator,
+                                      self.vllm_generation, first_eos(self.eos_token_ids))
+
+    def _take(self, prompt_ids, num_generations, record):
+        """The batch launched for these prompts at the previous generation batch, awaited; the first of a run or epoch
+        is launched now."""
+        if self._rpp_ahead.pending is None:
+            self._launch(prompt_ids, num_generations)
+        return self._rpp_ahead.take(prompt_ids, num_generations, record, self.accelerator)
 
     # --- Generation: raw rewards -> [B, T] advantages ---------------------------------------------------------
 
@@ -312,7 +331,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         if self.use_vllm:  # a failure is settled across processes after `_generate` (trl_rpp.faults.engine)
             ahead = self._rpp_ahead is not None and self.model.training
             if ahead:  # the batch launched at the previous generation batch (trl_rpp.engines.ahead)
-                answer = lambda: self._rpp_ahead.take(self, prompt_ids, num_generations, record)  # noqa: E731
+                answer = lambda: self._take(prompt_ids, num_generations, record)  # noqa: E731
             else:
                 record.weight_version = self.state.global_step  # synced before this generation, if it changed
                 answer = None

@@ -28,15 +28,14 @@ The resumed run trains that very batch, then goes on as the uninterrupted run wo
 from __future__ import annotations
 
 import collections
-import copy
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import unsupported
-from ..faults.engine import EngineFaults, first_eos
-from ..patches import server_generate, sync_engine_weights, tokenize_prompts, wrap_weight_sync
+from ..faults.engine import EngineFaults
+from ..patches import server_generate, wrap_weight_sync
 from ..records.generation import GenerationRecord, recording
 
 
@@ -140,24 +139,21 @@ class GenerationAhead:
 
     # --- The server -----------------------------------------------------------------------------------------------
 
-    def launch(self, trainer, prompts, num_generations: int, prompt_ids=None) -> Pending:
-        """Every process: sync the weights if they changed since the last sync (the server is idle), then send the
-        batch's prompts (every process's, gathered) to the server from a thread on process 0. It takes TRL's trainer:
-        it syncs its engine and tokenizes as TRL does."""
+    def launch(self, prompt_ids, num_generations: int, weight_version: int, accelerator, vllm_generation,
+               eos: int) -> Pending:
+        """Every process, once the weights of `weight_version` are on the idle server: send this process's tokenized
+        prompts, gathered with every other process's, to the server (`vllm_generation`'s client) from a thread on
+        process 0. A failed request is answered with one `eos` per completion (`empty_answer`) and kept in
+        `Pending.faults`."""
         from accelerate.utils import gather_object
 
         if self.pending is not None:
             raise RuntimeError("a generation batch is already in flight: the next one launches after it is taken")
-        faults = EngineFaults()
-        faults.call(lambda: sync_engine_weights(trainer))
-        faults.settle(trainer)  # a failed sync stops the run here, on every process
-        if prompt_ids is None:
-            prompt_ids = tokenize_prompts(trainer, copy.deepcopy(prompts))
-        pending = Pending(prompt_ids, num_generations, trainer.state.global_step)
-        everyone = gather_object(prompt_ids) if trainer.accelerator.num_processes > 1 else list(prompt_ids)
-        if trainer.accelerator.is_main_process:
-            request = server_generate(trainer.vllm_generation, everyone[::num_generations], num_generations)
-            eos = first_eos(trainer.eos_token_ids)
+        pending = Pending(prompt_ids, num_generations, weight_version)
+        everyone = gather_object(prompt_ids) if accelerator.num_processes > 1 else list(prompt_ids)
+        if accelerator.is_main_process:
+            unique = everyone[::num_generations]
+            request = server_generate(vllm_generation, unique, num_generations)
 
             def run():
                 pending.started = start = time.perf_counter()
@@ -169,7 +165,7 @@ class GenerationAhead:
                     except Exception as err:  # the request itself, not our parsing: reported as the engine's
                         pending.faults.record(err)
                 if pending.answer is None:
-                    pending.answer = empty_answer(eos, everyone[::num_generations], num_generations)
+                    pending.answer = empty_answer(eos, unique, num_generations)
                 pending.seconds = time.perf_counter() - start
 
             pending.thread = threading.Thread(target=run, name="trl_rpp-generation-ahead", daemon=True)
@@ -177,35 +173,34 @@ class GenerationAhead:
         self.pending = pending
         return pending
 
-    def take(self, trainer, prompt_ids, num_generations: int, record: GenerationRecord):
-        """Every process, as GRPO's vLLM branch would generate batch t: await the batch launched for these prompts
-        (or launch it now, the first of a run or epoch), and return this process's slice of the answer as
-        `VLLMGeneration.generate` does, ``(prompt_ids, completion_ids, logprobs, logprob_token_ids)``. The request's
-        failure joins `record.engine_faults`, and the batch's weight version `record.weight_version`."""
+    def take(self, prompt_ids, num_generations: int, record: GenerationRecord, accelerator):
+        """Every process, as GRPO's vLLM branch would generate batch t: await the batch launched for these prompts and
+        return this process's slice of the answer as `VLLMGeneration.generate` does, ``(prompt_ids, completion_ids,
+        logprobs, logprob_token_ids)``. The request's failure joins `record.engine_faults`, and the batch's weight
+        version `record.weight_version`."""
         from accelerate.utils import broadcast_object_list
 
         pending = self.pending
         if pending is None:
-            pending = self.launch(trainer, None, num_generations, prompt_ids)
-        elif pending.prompt_ids != prompt_ids or pending.num_generations != num_generations:
+            raise RuntimeError("no generation batch is in flight: launch it first")
+        if pending.prompt_ids != prompt_ids or pending.num_generations != num_generations:
             raise RuntimeError(
                 "the generation batch sampled ahead was launched for other prompts than the batch now trained "
                 f"({len(pending.prompt_ids)} prompts x {pending.num_generations} launched, {len(prompt_ids)} x "
                 f"{num_generations} now): the training dataloader's order changed between the launch and the "
                 "training (a resumed run with another dataset, seed or batch size?)")
         self.pending = None
-        acc = trainer.accelerator
         payload = [None]
-        if acc.is_main_process:
+        if accelerator.is_main_process:
             pending.wait()
             payload = [pending.answer]
             record.engine_faults.record(pending.faults.failure)
-        if acc.num_processes > 1:
+        if accelerator.num_processes > 1:
             broadcast_object_list(payload, from_process=0)
         record.weight_version = pending.weight_version
         all_prompts, completions, logprobs, token_ids = payload[0]
         n = num_generations
-        local = slice(acc.process_index * len(prompt_ids), (acc.process_index + 1) * len(prompt_ids))
+        local = slice(accelerator.process_index * len(prompt_ids), (accelerator.process_index + 1) * len(prompt_ids))
         every_prompt = [ids for ids in all_prompts for _ in range(n)]
         return (every_prompt[local], completions[local], None if logprobs is None else logprobs[local],
                 None if token_ids is None else token_ids[local])
@@ -224,21 +219,19 @@ class GenerationAhead:
 
     # --- Checkpoints ----------------------------------------------------------------------------------------------
 
-    def state(self, trainer) -> dict | None:
-        """Every process, at a checkpoint: wait for the batch in flight and return what a resumed run needs to train
-        it (None when nothing is in flight). A failed request stops the run here, on every process, before anything
-        is written (`EngineFaults.settle`)."""
+    def state(self, is_main_process: bool):
+        """Every process, at a checkpoint: ``(state, failure)``, what a resumed run needs to train the batch in flight
+        (None when nothing is in flight), awaited on process 0, and its request's failure (process 0's, else None),
+        for the caller to settle across processes before anything is written."""
         pending = self.pending  # in flight on every process, or on none
         if pending is None:
-            return None
-        failed = EngineFaults()
-        if trainer.accelerator.is_main_process:
+            return None, None
+        answer = None
+        if is_main_process:
             pending.wait()
-            failed.record(pending.faults.failure)
-        failed.settle(trainer)
-        answer = pending.answer if trainer.accelerator.is_main_process else None
-        return {"prompt_ids": pending.prompt_ids, "num_generations": pending.num_generations,
-                "weight_version": pending.weight_version, "answer": None if answer is None else list(answer)}
+            answer = list(pending.answer)
+        return ({"prompt_ids": pending.prompt_ids, "num_generations": pending.num_generations,
+                 "weight_version": pending.weight_version, "answer": answer}, pending.faults.failure)
 
     def restore(self, state: dict | None) -> None:
         """On resume: the batch that was in flight at the checkpoint, already answered."""
@@ -274,12 +267,11 @@ def check_generation_ahead(args, tools=None, rollout_func=None, environment_fact
                           "Images are not sent with the batch sampled ahead.", under)
 
 
-def generation_ahead(trainer) -> GenerationAhead | None:
-    """The trainer's `GenerationAhead` when `max_staleness > 0` (else None), with every weight sync of its engine
-    made to wait for the batch in flight first (`trl_rpp.patches.wrap_weight_sync`). It takes TRL's trainer for its
-    engine."""
-    if not trainer.args.max_staleness:
+def generation_ahead(max_staleness: int, vllm_generation) -> GenerationAhead | None:
+    """The `GenerationAhead` of a trainer with `max_staleness > 0` (else None), with every weight sync of its engine
+    (`vllm_generation`, TRL's) made to wait for the batch in flight first (`trl_rpp.patches.wrap_weight_sync`)."""
+    if not max_staleness:
         return None
-    ahead = GenerationAhead(trainer.args.max_staleness)
-    wrap_weight_sync(trainer.vllm_generation, ahead.drain)
+    ahead = GenerationAhead(max_staleness)
+    wrap_weight_sync(vllm_generation, ahead.drain)
     return ahead

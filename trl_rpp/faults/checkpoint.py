@@ -486,7 +486,13 @@ def save_checkpoint(trainer, trial, save, ahead=None) -> None:
     folder = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
     needed = _buffer_needed_now(trainer)
     buffered_inputs, position = generation_buffer(trainer)
-    pending = ahead.state(trainer) if ahead is not None else None  # every process: it settles a failed request
+    pending, failure = ahead.state(trainer.accelerator.is_main_process) if ahead is not None else (None, None)
+    if pending is not None:  # a failed request stops the run on every process before anything is written
+        from .engine import EngineFaults
+
+        faults = EngineFaults()
+        faults.record(failure)
+        faults.settle(trainer)
     try:
         rank = trainer.accelerator.process_index
         if buffered_inputs is not None and needed:  # at a generation boundary a resume samples a new batch
