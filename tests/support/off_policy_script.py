@@ -328,7 +328,7 @@ def main():
             outcome["checkpoints"] = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))
             from trl_rpp.faults.checkpoint import checkpoint_problem, layout_of
 
-            outcome["problems"] = {d: str(checkpoint_problem(os.path.join(out, d), layout_of(trainer)))
+            outcome["problems"] = {d: str(checkpoint_problem(os.path.join(out, d), layout_of(trainer.args, trainer.accelerator)))
                                    for d in outcome["checkpoints"]}
         elif name == "stopped_resumed":
             trainer, outcome = run(outdir, name, resume=os.path.join(outdir, "stopped", "checkpoint-2"))

@@ -296,7 +296,7 @@ def train_until_the_engine_fails(trainer):
         folders = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))
         return {"error": str(err), "cause": repr(err.__cause__), "seconds_to_raise": time.monotonic() - failed_at[0]
                 if failed_at else None, "step": trainer.state.global_step, "checkpoints": folders,
-                "problems": {d: str(checkpoint_problem(os.path.join(out, d), layout_of(trainer))) for d in folders}}
+                "problems": {d: str(checkpoint_problem(os.path.join(out, d), layout_of(trainer.args, trainer.accelerator))) for d in folders}}
     raise AssertionError("train() returned although the engine failed")
 
 
@@ -340,7 +340,7 @@ def preempted_then_resumed(outdir, model_path, name, spec, initial_probe):
         try:
             trainer.train(resume_from_checkpoint=resume)
         except TrainingPreempted as stop:
-            problem = checkpoint_problem(stop.checkpoint, layout_of(trainer))
+            problem = checkpoint_problem(stop.checkpoint, layout_of(trainer.args, trainer.accelerator))
             run["preempted"] = dict(signal=stop.signal_name, step=stop.step, checkpoint=os.path.basename(stop.checkpoint),
                                     problem=None if problem is None else str(problem),
                                     files=sorted(os.listdir(stop.checkpoint)))

@@ -133,7 +133,7 @@ def failure_report(trainer, err, signalled):
     return {"error": str(err), "type": type(err).__name__, "cause": repr(err.__cause__),
             "seconds_after_signal": time.monotonic() - signalled[0] if signalled else None,
             "step": trainer.state.global_step, "checkpoints": folders,
-            "problems": {d: str(checkpoint_problem(os.path.join(out, d), layout_of(trainer))) for d in folders},
+            "problems": {d: str(checkpoint_problem(os.path.join(out, d), layout_of(trainer.args, trainer.accelerator))) for d in folders},
             "weight_files": sorted(os.listdir(weights)) if os.path.isdir(weights) else None,
             "weight_dir": sorted(os.listdir(trainer.args.vllm_server_weight_dir))}
 

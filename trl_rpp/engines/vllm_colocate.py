@@ -32,12 +32,12 @@ def use_cpu_weight_sync(vllm_generation) -> None:
     reload_weight_sync(vllm_generation)
 
 
-def use_weight_sync(trainer, disk_sync=None) -> None:
-    """The weight sync `trainer`'s engine needs: vLLM's reload for a colocated engine on CPU, the disk transport
-    `disk_sync` for a server with `vllm_server_weight_sync="disk"` (`trl_rpp.engines.vllm_server`), TRL's everywhere
-    else. It takes TRL's trainer: it replaces the sync of the `vllm_generation` GRPO built."""
+def use_weight_sync(args, vllm_generation, disk_sync, is_main_process: bool) -> None:
+    """The weight sync the engine of a run with `args` needs, set on `vllm_generation` (TRL's `VLLMGeneration`, which
+    GRPO built; None without vLLM): vLLM's reload for a colocated engine on CPU, the disk transport `disk_sync` for a
+    server with `vllm_server_weight_sync="disk"` (`trl_rpp.engines.vllm_server`), TRL's everywhere else."""
     from .vllm_server import use_disk_weight_sync
 
-    if trainer.args.use_vllm:
-        use_cpu_weight_sync(trainer.vllm_generation)
-        use_disk_weight_sync(trainer, disk_sync)
+    if args.use_vllm:
+        use_cpu_weight_sync(vllm_generation)
+        use_disk_weight_sync(vllm_generation, disk_sync, is_main_process)

@@ -298,6 +298,14 @@ def server_url(args) -> str:
     return f"{parsed.scheme or 'http'}://{parsed.netloc}{parsed.path}"
 
 
+def engine_name(args) -> str:
+    """The engine an error names, from the config: a server by the URL TRL's client is built with (`server_url`),
+    else the colocated engine."""
+    if args.vllm_mode == "server":
+        return f"the vLLM server at {server_url(args)}"
+    return "the colocated vLLM engine"
+
+
 def check_at_construction(args) -> DiskWeightSync | None:
     """Every process, before `GRPOTrainer.__init__` loads anything (the process group exists: `TrainingArguments`
     made accelerate's `PartialState`), in vLLM server mode: with `vllm_server_weight_sync="nccl"` on a device that
@@ -331,13 +339,12 @@ def check_at_construction(args) -> DiskWeightSync | None:
     return sync
 
 
-def use_disk_weight_sync(trainer, sync: DiskWeightSync | None) -> None:
-    """Make `trainer.vllm_generation.sync_weights` the disk transport `sync`, made and checked by
-    `check_at_construction` (None: not this transport). It takes TRL's trainer: it replaces the sync of the
-    `vllm_generation` GRPO built."""
+def use_disk_weight_sync(vllm_generation, sync: DiskWeightSync | None, is_main_process: bool) -> None:
+    """Make `vllm_generation.sync_weights` (TRL's `VLLMGeneration`, which GRPO built) the disk transport `sync`, made
+    and checked by `check_at_construction` (None: not this transport)."""
     if sync is None:
         return
-    sync.vllm_generation = trainer.vllm_generation
-    if trainer.accelerator.is_main_process:  # the URL TRL's client generates from (the same as `server_url`'s)
-        sync.base_url = trainer.vllm_generation.vllm_client.base_url
-    disk_weight_sync(trainer.vllm_generation, sync)
+    sync.vllm_generation = vllm_generation
+    if is_main_process:  # the URL TRL's client generates from (the same as `server_url`'s)
+        sync.base_url = vllm_generation.vllm_client.base_url
+    disk_weight_sync(vllm_generation, sync)

@@ -41,7 +41,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from transformers.utils.peft_utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
-from ..patches import checkpoint_folder_root, generation_buffer, restore_generation_buffer
+from ..patches import checkpoint_folder_root, generation_buffer
 
 BUFFER_FILE = "rpp_generation_buffer_rank{}.pt"
 AHEAD_FILE = "rpp_generation_ahead_rank{}.pt"  # the batch in flight, with max_staleness=1 (`trl_rpp.engines.ahead`)
@@ -339,16 +339,25 @@ class ResumeLayout:
     ahead: bool = False  # max_staleness > 0: every checkpoint holds the batch in flight (`AHEAD_FILE`)
 
 
-def layout_of(trainer) -> ResumeLayout:
-    """The `ResumeLayout` of an `RPPTrainer`'s run, on this process. It takes TRL's trainer: the layout depends on its
-    engine (DeepSpeed, FSDP), its scaler and its arguments."""
-    args = trainer.args
-    engine = "deepspeed" if trainer.is_deepspeed_enabled else "fsdp" if trainer.is_fsdp_enabled else "plain"
-    scaler = getattr(trainer.accelerator, "scaler", None) is not None
-    rank = trainer.accelerator.process_index
-    return ResumeLayout(rank, args.gradient_accumulation_steps, args.steps_per_generation, trainer.num_iterations,
+def layout_of(args, accelerator) -> ResumeLayout:
+    """The `ResumeLayout` of an `RPPTrainer`'s run with `args`, on this process of `accelerator`: its engine
+    (DeepSpeed or FSDP, as Trainer's `is_deepspeed_enabled` and `is_fsdp_enabled` read them off the accelerator's
+    state), its gradient scaler, and the arguments."""
+    state = accelerator.state
+    engine = ("deepspeed" if getattr(state, "deepspeed_plugin", None) is not None
+              else "fsdp" if getattr(state, "fsdp_plugin", None) is not None else "plain")
+    scaler = getattr(accelerator, "scaler", None) is not None
+    rank = accelerator.process_index
+    return ResumeLayout(rank, args.gradient_accumulation_steps, args.steps_per_generation, args.num_iterations,
                         required_files(rank, args.world_size, engine, args.save_only_model, scaler),
                         bool(getattr(args, "max_staleness", 0)))
+
+
+def newest_checkpoint_name(args, accelerator) -> str | None:
+    """The newest complete `checkpoint-N` folder of `args.output_dir` on this process (None: none, or no folder
+    yet), which an error names as the one a resume would start from."""
+    out = args.output_dir
+    return newest_complete_checkpoint(out, layout_of(args, accelerator))[0] if os.path.isdir(out) else None
 
 
 def _buffer_problem(folder: str, rank: int, needed: bool) -> DamagedCheckpointError | None:
@@ -438,17 +447,16 @@ def newest_complete_checkpoint(output_dir: str, layout: ResumeLayout, gather=lam
     return (folders.get(chosen) if chosen >= 0 else None), skipped
 
 
-def resolve_resume_checkpoint(trainer, resume_from_checkpoint):
+def resolve_resume_checkpoint(args, accelerator, resume_from_checkpoint):
     """What `RPPTrainer.train` hands on to Trainer's `train`, decided before anything is loaded.
 
     - `True`: the newest checkpoint complete on every process (`newest_complete_checkpoint`). Each newer, torn one is
       skipped with a warning that names it and its damaged file. Checkpoints but none complete: Trainer's `ValueError`
       ("No valid checkpoint found"), naming each. No checkpoint at all: `True`, for Trainer's own error.
-    - a folder: itself if complete; otherwise `DamagedCheckpointError`, naming the file and what to do. It takes TRL's
-    trainer for its layout (`layout_of`)."""
-    layout, output_dir = layout_of(trainer), trainer.args.output_dir
+    - a folder: itself if complete; otherwise `DamagedCheckpointError`, naming the file and what to do."""
+    layout, output_dir = layout_of(args, accelerator), args.output_dir
     if resume_from_checkpoint is True and os.path.isdir(output_dir):
-        many = trainer.accelerator.num_processes > 1
+        many = accelerator.num_processes > 1
         chosen, skipped = newest_complete_checkpoint(output_dir, layout, (lambda obj: gather_object([obj])) if many
                                                      else (lambda obj: [obj]))
         if chosen is None and skipped:
@@ -456,7 +464,7 @@ def resolve_resume_checkpoint(trainer, resume_from_checkpoint):
                 f"No valid checkpoint found in output directory ({output_dir}): no checkpoint there is complete ("
                 f"{'; '.join(f'{p.path} {p.reason}' for _, p in skipped)}). Delete them to train from the start."
             )
-        for folder, problem in skipped if trainer.accelerator.is_main_process else ():
+        for folder, problem in skipped if accelerator.is_main_process else ():
             logger.warning("trl_rpp: resume_from_checkpoint=True skips %s, which is incomplete: %s %s. Resuming from "
                            "%s instead.", folder, problem.path, problem.reason, chosen)
         return True if chosen is None else chosen
@@ -467,54 +475,44 @@ def resolve_resume_checkpoint(trainer, resume_from_checkpoint):
     return resume_from_checkpoint
 
 
-def _buffer_needed_now(trainer) -> bool:
-    """`buffer_needed` at `trainer`'s current step and settings. It takes TRL's trainer for its step and its GRPO
-    settings."""
-    args = trainer.args
-    return buffer_needed(trainer.state.global_step, args.gradient_accumulation_steps, args.steps_per_generation,
-                         trainer.num_iterations)
+def buffer_needed_at(args, step: int) -> bool:
+    """`buffer_needed` at optimizer step `step` of a run with `args`."""
+    return buffer_needed(step, args.gradient_accumulation_steps, args.steps_per_generation, args.num_iterations)
 
 
-def save_checkpoint(trainer, trial, save, ahead=None) -> None:
+NOTHING_AHEAD = object()  # `save_checkpoint`'s `ahead` when the run samples no batch ahead (max_staleness=0)
+
+
+def save_checkpoint(trainer, trial, save, ahead=NOTHING_AHEAD) -> None:
     """`RPPTrainer._save_checkpoint`: the buffered generation batch when a resume needs it (`buffer_needed`), before
-    Trainer's files, so that a checkpoint with a `trainer_state.json` always has its buffer; then ``save()`` (GRPO's).
-    A failed write (`OSError`: a full disk, an I/O error) raises a `CheckpointSaveError` naming the folder and the
-    checkpoint a resume would take. It takes TRL's trainer: it saves GRPO's buffered batch and wraps Trainer's save.
-    With `ahead` (a `trl_rpp.engines.ahead.GenerationAhead`), the batch in flight is awaited and saved too, before
-    Trainer's files; a failed request stops the run before anything is written."""
+    Trainer's files, so that a checkpoint with a `trainer_state.json` always has its buffer; then ``save()``, which is
+    Trainer's `_save_checkpoint` (GRPO's). A failed write (`OSError`: a full disk, an I/O error) raises a
+    `CheckpointSaveError` naming the folder and the checkpoint a resume would take. It takes TRL's trainer because it
+    wraps `Trainer._save_checkpoint`, into the folder `Trainer._get_output_dir` names, and saves GRPO's buffered
+    batch. With max_staleness=1, `ahead` is the batch in flight as `GenerationAhead.state` returns it (None: none
+    in flight), awaited and settled by the caller, and saved too, before Trainer's files."""
     output_dir = checkpoint_folder_root(trainer, trial)
+    args, acc = trainer.args, trainer.accelerator
     folder = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
-    needed = _buffer_needed_now(trainer)
+    needed = buffer_needed_at(args, trainer.state.global_step)
     buffered_inputs, position = generation_buffer(trainer)
-    pending, failure = ahead.state(trainer.accelerator.is_main_process) if ahead is not None else (None, None)
-    if pending is not None:  # a failed request stops the run on every process before anything is written
-        from .engine import EngineFaults
-
-        faults = EngineFaults()
-        faults.record(failure)
-        faults.settle(trainer)
     try:
-        rank = trainer.accelerator.process_index
+        rank = acc.process_index
         if buffered_inputs is not None and needed:  # at a generation boundary a resume samples a new batch
             save_generation_buffer(folder, rank, position, buffered_inputs)
-        if ahead is not None:
-            save_ahead(folder, rank, pending)
-        if ahead is not None or (buffered_inputs is not None and needed):
-            trainer.accelerator.wait_for_everyone()  # every buffer lands before rank 0 writes trainer_state.json
+        if ahead is not NOTHING_AHEAD:
+            save_ahead(folder, rank, ahead)
+        if ahead is not NOTHING_AHEAD or (buffered_inputs is not None and needed):
+            acc.wait_for_everyone()  # every buffer lands before rank 0 writes trainer_state.json
         save()
     except OSError as err:
-        raise save_error(folder, err, output_dir, layout_of(trainer)) from err
+        raise save_error(folder, err, output_dir, layout_of(args, acc)) from err
 
 
-def restore_buffer_on_resume(trainer, checkpoint, ahead=None) -> None:
-    """After Trainer loads the optimizer from `checkpoint` (None: not resuming): the saved generation batch, which a
-    resumed run trains on where GRPO would sample a new one (`trl_rpp.patches.restore_generation_buffer`). It takes
-    TRL's trainer: the buffer goes back into GRPO's private attributes."""
-    if checkpoint is None:
-        return
-    loaded = load_generation_buffer(checkpoint, trainer.accelerator.process_index, _buffer_needed_now(trainer),
-                                    trainer.accelerator.device)
-    if loaded is not None:
-        restore_generation_buffer(trainer, *loaded)
-    if ahead is not None:  # the batch that was in flight, answered
-        ahead.restore(load_ahead(checkpoint, trainer.accelerator.process_index))
+def resume_state(checkpoint: str, args, step: int, rank: int, device, ahead: bool):
+    """On resume from `checkpoint`, at optimizer step `step`, on process `rank`: ``(buffer, in_flight)``, the saved
+    generation batch ``(buffered_inputs, position)`` that a resumed run trains on where GRPO would sample a new one
+    (None when the checkpoint is at a generation boundary), and with max_staleness=1 (`ahead`) the batch that was in
+    flight, answered (`GenerationAhead.restore`; None otherwise)."""
+    buffer = load_generation_buffer(checkpoint, rank, buffer_needed_at(args, step), device)
+    return buffer, load_ahead(checkpoint, rank) if ahead else None

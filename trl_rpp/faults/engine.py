@@ -25,23 +25,12 @@ wait for the backend's timeout).
 
 from __future__ import annotations
 
-import os
-
-from ..engines.vllm_server import server_url
 from ..patches import guard_server_client as patch_client
 from ..patches import vllm_generate
 
 
 class GenerationEngineError(RuntimeError):
     """The generation engine raised on at least one process; raised on every process, chained to the cause."""
-
-
-def engine_name(args) -> str:
-    """The engine a message names, from the config (`args.vllm_mode`; a server by the URL TRL's client is built
-    with, which only process 0 has)."""
-    if args.vllm_mode == "server":
-        return f"the vLLM server at {server_url(args)}"
-    return "the colocated vLLM engine"
 
 
 class EngineFaults:
@@ -69,12 +58,12 @@ class EngineFaults:
         out = self.call(generate)
         return empty_completions(eos, prompt_ids) if out is None else out
 
-    def settle(self, trainer):
+    def settle(self, acc, describe):
         """After TRL's `_generate` on every process: raise the same `GenerationEngineError` everywhere when any
-        process's engine failed, naming the first failing process (one gather, one host read, with several). It
-        takes TRL's trainer for the message (`message`)."""
+        process's engine failed, naming the first failing process (one gather, one host read, with several, over
+        the accelerator `acc`). ``describe(process, cause)`` says what the error says (`failure_message`); it is
+        called only on a failure."""
         failure, self.failure = self.failure, None
-        acc = trainer.accelerator
         if acc.num_processes > 1:
             import torch
             from accelerate.utils import gather_object
@@ -88,7 +77,7 @@ class EngineFaults:
         else:
             reports = [(0, repr(failure))]
         process, cause = next(r for r in reports if r is not None)
-        raise GenerationEngineError(message(trainer, process, cause)) from failure
+        raise GenerationEngineError(describe(process, cause)) from failure
 
 
 def empty_completions(eos: int, prompt_ids):
@@ -121,8 +110,9 @@ def guard_client(client, faults, eos: int, timeout: float | None):
 def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations, k, faults, answer=None):
     """GRPO's vLLM branch of `_generate_single_turn`, keeping the `k`-wide log-prob lists and selecting the sampled
     token's log-prob by id. Returns ``(completion_ids, sampled_logps, recorded)``: the first two as GRPO's branch
-    does, and the lists as a `RecordedTopK` (None when the engine failed). It takes TRL's trainer because the copied
-    branch reads the trainer's engine, processing class and generation state (`trl_rpp.patches.vllm_generate`).
+    does, and the lists as a `RecordedTopK` (None when the engine failed). It takes TRL's trainer because it calls
+    `VLLMGeneration.generate` and GRPO's weight sync through it (`trl_rpp.patches.vllm_generate`), as GRPO's branch
+    does.
 
     Only the engine's calls (`trl_rpp.patches.vllm_generate`: the weight sync and the generation) run under `faults`
     (`EngineFaults.call`): when they raise, one EOS per prompt comes back and the run stops at
@@ -142,16 +132,12 @@ def generate_vllm_with_topk(trainer, prompt_ids, images, num_generations, k, fau
     return completion_ids, sampled, recorded
 
 
-def message(trainer, process, cause) -> str:
-    """What `GenerationEngineError` says. It takes TRL's trainer: the message names the step, the mode, and the newest
-    complete checkpoint as the trainer's own layout of its output directory defines it (`faults.checkpoint`)."""
-    from .checkpoint import layout_of, newest_complete_checkpoint
-
-    out = trainer.args.output_dir
-    newest, _ = newest_complete_checkpoint(out, layout_of(trainer)) if os.path.isdir(out) else (None, [])
+def failure_message(engine: str, process: int, num_processes: int, step: int, mode: str, newest: str | None,
+                    cause: str) -> str:
+    """What `GenerationEngineError` says: the engine (``"the colocated vLLM engine"``, or a server by its URL), the
+    failing process of `num_processes`, the step and mode (``"train"``, ``"eval"``), the cause, and `newest`, the
+    newest complete checkpoint a resume would start from (None: none yet; `faults.checkpoint`)."""
     resume = (f"the newest complete checkpoint is {newest!r}: fix the engine, then resume with "
               "resume_from_checkpoint=True" if newest else "no complete checkpoint was saved yet")
-    mode = "train" if trainer.model.training else "eval"
-    return (f"{engine_name(trainer.args)} failed on process {process} of {trainer.accelerator.num_processes} while "
-            f"generating at step {trainer.state.global_step} ({mode}): {cause}. The run stops on every process; "
-            f"{resume}.")
+    return (f"{engine} failed on process {process} of {num_processes} while generating at step {step} ({mode}): "
+            f"{cause}. The run stops on every process; {resume}.")

@@ -103,8 +103,9 @@ def max_across_processes(value: int, accelerator) -> int:
 
 class Preemption:
     """Signal handling around one `train` call of `trainer` (see the module docstring). Built once per trainer;
-    `with preemption:` installs it for the duration of a training run. It takes TRL's trainer: its callback steers
-    the trainer's loop (`TrainerControl`) to finish the step and save."""
+    `with preemption:` installs it for the duration of a training run. It takes TRL's trainer because it calls
+    `Trainer.add_callback` (and `Trainer.remove_callback`): its callback steers the trainer's loop (`TrainerControl`)
+    to finish the step and save."""
 
     def __init__(self, trainer, signal_names: tuple[str, ...] | str):
         self.trainer = trainer

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 import torch
 from trl.trainer.utils import get_callable_name, is_async_callable
 
-from ..patches import logged_metrics
 
 # Failure kinds. "invalid": values that fail the reward checks (`guard_reward_func`); they raise under either policy.
 ERROR, TIMEOUT, INVALID = "error", "timeout", "invalid"
@@ -269,33 +268,30 @@ class RewardFaults:
             return self._failed(key, INVALID, e, _rows(kwargs))
 
     @contextlib.contextmanager
-    def settled(self, trainer):
+    def settled(self, acc, reward_funcs, reward_func_names, mode: str, step: int, metrics):
         """Around TRL's `_calculate_rewards` (which ends in the rewards gather): afterwards, every process learns of
-        every failed call, logs the counts, and either warns about its own failures or raises the same error. It takes
-        TRL's trainer: the counts go into its metrics, named by its reward functions, at its step."""
+        every failed call (over the accelerator `acc`), logs the counts into `metrics` (GRPO's metric lists of
+        `mode`, ``"train"`` or ``"eval"``), and either warns about its own failures or raises the same error, naming
+        the function by its name in `reward_func_names` and the optimizer step `step`."""
         with self._lock:
             self._failures = []  # left over if TRL raised in the previous call
         yield
         with self._lock:
             failures, self._failures = self._failures, []
-        guarded = [(f, n) for f, n in zip(trainer.reward_funcs, trainer.reward_func_names)
-                   if any(f is g for g in self._guarded)]
+        guarded = [(f, n) for f, n in zip(reward_funcs, reward_func_names) if any(f is g for g in self._guarded)]
         if not guarded:
             return
         keys, names = [f for f, _ in guarded], [n for _, n in guarded]
-        acc = trainer.accelerator
         counts = fault_counts(failures, keys, self.policy)
         if acc.num_processes > 1:
             local = torch.tensor([counts], dtype=torch.long, device=acc.device)
             counts_per_process = acc.gather(local).tolist()  # [P][3][F]: the same on every process
         else:
             counts_per_process = [counts]
-        mode = "train" if trainer.model.training else "eval"
-        at = where(mode, trainer.state.global_step)
+        at = where(mode, step)
         p, n = acc.process_index, acc.num_processes
         if any(sum(c[2]) for c in counts_per_process):
-            self._raise(trainer, failures, keys, names, at, mode, p, n)
-        metrics = logged_metrics(trainer, mode)
+            self._raise(step, failures, keys, names, at, mode, p, n)
         for c, name in enumerate(names):
             metrics[f"rewards/{name}/errors"].append(float(sum(x[0][c] for x in counts_per_process)))
             metrics[f"rewards/{name}/timeouts"].append(float(sum(x[1][c] for x in counts_per_process)))
@@ -305,9 +301,9 @@ class RewardFaults:
             warnings.warn(f"{text}; reward_errors='unscorable': the rows of this call are unscorable (None), as if "
                           "it had returned None for each.", RuntimeWarning, stacklevel=2)
 
-    def _raise(self, trainer, failures, keys, names, at, mode, process, num_processes):
-        """Every process raises the same error: that of the first failure that must raise, in process order. It takes
-        TRL's trainer for the step the error names."""
+    def _raise(self, step, failures, keys, names, at, mode, process, num_processes):
+        """Every process raises the same error: that of the first failure that must raise, in process order; `step`
+        is the optimizer step of the batch being scored."""
         must = [f for f in failures if f.kind == INVALID or self.policy == "raise"]
         mine = None
         if must:
@@ -330,7 +326,7 @@ class RewardFaults:
             ". reward_errors='raise' stops the run at a failed call; set reward_errors='unscorable' to treat the rows "
             "of a failed call as unscorable (None) and go on"
         ) + (", or raise reward_timeout." if kind == TIMEOUT else ".")
-        error = RewardFunctionError(message, names[column], kind, trainer.state.global_step + (mode == "train"), mode,
+        error = RewardFunctionError(message, names[column], kind, step + (mode == "train"), mode,
                                     origin)
         raise error from cause
 

@@ -22,7 +22,7 @@ changes).
 model token, 0 for an external one), whose zeros `RPPTrainer` treats as internal mask holes (docs/numerics.md,
 "Multi-turn rollouts"). TRL right-pads its rows with 1s to the padded completion length, so an `env_mask` row
 shorter than its completion would silently turn its last tokens into model tokens, and a longer one would mark other
-rows' padding or break the batch's shapes: `install_rollout_checks` checks each row where the rollout output arrives,
+rows' padding or break the batch's shapes: `check_rollout_output` and `check_tool_loop_mask` check each row where the rollout output arrives,
 before any reward or forward pass is spent.
 
 Shapes: ``B`` final completions, ``T`` positions, ``k`` head entries; a turn's capture covers ``B_c <= B`` rows
@@ -36,11 +36,10 @@ import numbers
 import numpy as np
 import torch
 
-from ..patches import check_rollouts
 from .capture import RecordedTopK
 from .vllm import parse_vllm_topk
 
-__all__ = ["align_turn_captures", "check_external_mask", "check_rollout_output", "install_rollout_checks",
+__all__ = ["align_turn_captures", "check_external_mask", "check_rollout_output", "check_tool_loop_mask",
            "model_segments", "rollout_sampler_topk", "sampler_topk_of_generation"]
 
 
@@ -263,10 +262,7 @@ def check_rollout_output(output) -> None:
                 )
 
 
-def install_rollout_checks(trainer) -> None:
-    """At construction: check every `rollout_func` output (`check_rollout_output`), and assert that TRL's tool-calling
-    loop (aligned by construction) returns one `tool_mask` entry per completion token (`check_external_mask`). It takes
-    TRL's trainer: the checks wrap the instance's rollout and tool loop (`check_rollouts`)."""
-    check_rollouts(trainer, check_rollout_output,
-                   lambda tool_mask, completion_ids: check_external_mask(tool_mask, completion_ids, "tool_mask",
-                                                                         "TRL's tool-calling loop"))
+def check_tool_loop_mask(tool_mask, completion_ids) -> None:
+    """What TRL's tool-calling loop returns, checked where it arrives (`trl_rpp.patches.check_rollouts`): one
+    `tool_mask` entry per completion token. The loop aligns them by construction; this asserts it."""
+    check_external_mask(tool_mask, completion_ids, "tool_mask", "TRL's tool-calling loop")
