@@ -551,8 +551,9 @@ def part_off_policy(opts, deadline):
 
     if importlib.util.find_spec("vllm") is None:
         return {"skipped": "vLLM is not installed here (the server and TRL's client need it)"}
-    from off_policy import (Phases, free_port, make_trainer, run_rounds, server_command, start_server, stop_server,
-                            summarize)
+    from off_policy import Phases, make_trainer, run_rounds, summarize
+
+    from trl_rpp.testing.vllm_server import free_port, server_command, start_server, stop_server
 
     s, cuda = SIZES[opts.tiny], opts.device == "cuda"
     transport, server_gpu, why = off_policy_placement(opts.device)
@@ -567,11 +568,12 @@ def part_off_policy(opts, deadline):
         vllm_args = ["--enforce-eager"] if cuda else []  # no compilation or CUDA graph capture: a start in budget
         if cuda and transport == "disk":  # one GPU, shared: the server leaves the trainer most of its memory
             vllm_args += ["--gpu-memory-utilization", "0.3"]
-        cmd = server_command(model, port, 64 + s["op_length"], weight_dir if transport == "disk" else None,
-                             transport, "bfloat16" if cuda else None, vllm_args)
+        cmd = server_command(model, port, max_model_len=64 + s["op_length"],
+                             weight_dir=weight_dir if transport == "disk" else None, weight_sync=transport,
+                             dtype="bfloat16" if cuda else None, vllm_args=vllm_args)
         env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": server_gpu} if server_gpu is not None else {}))
         t = time.monotonic()
-        server = start_server(cmd, port, log, env=env, deadline=deadline)
+        server = start_server(cmd, f"http://127.0.0.1:{port}", log, env=env, deadline=deadline)
         server_start_s = time.monotonic() - t
         sizes = argparse.Namespace(batch=s["op_batch"], num_generations=s["op_generations"], free_length=False,
                                    completion_length=s["op_length"], steps=s["op_steps"])

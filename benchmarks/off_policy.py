@@ -62,10 +62,7 @@ import json
 import os
 import platform
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,12 +70,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_time import StepTimer  # noqa: E402  (sets the offline environment)
 
-import requests  # noqa: E402
 import torch  # noqa: E402
 from transformers.trainer_callback import PrinterCallback, ProgressCallback  # noqa: E402
 
 from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
 from trl_rpp.testing.tiny import build_tiny_model, copy_first_char_reward, copy_task_dataset  # noqa: E402
+from trl_rpp.testing.vllm_server import free_port, server_command, start_server, stop_server  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARMS = {"lag0": 0, "lag1": 1}  # arm name: max_staleness
@@ -94,64 +91,6 @@ def versions():
         except md.PackageNotFoundError:
             out[pkg] = None
     return out
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def server_command(model, port, max_len=None, weight_dir=None, weight_sync="disk", dtype=None, vllm_args=()):
-    """`trl-rpp vllm-serve`'s command line, as `python -m trl_rpp.serve` (the same program)."""
-    cmd = [sys.executable, "-m", "trl_rpp.serve", "--model", model, "--port", str(port), "--weight_sync", weight_sync]
-    if max_len is not None:
-        cmd += ["--max_model_len", str(max_len)]
-    if weight_dir is not None:
-        cmd += ["--weight_dir", weight_dir]
-    if dtype is not None:
-        cmd += ["--dtype", dtype]
-    return cmd + (["--", *vllm_args] if vllm_args else [])
-
-
-def start_server(cmd, port, log, core=None, env=None, timeout_s=900, deadline=None):
-    """Start the server (`cmd`) in a session of its own, pinned to `core` (None: not pinned), sent SIGTERM when this
-    process dies (a benchmark killed at its time limit leaves no server behind), and wait for its /health. Returns the
-    process; raises with the log's path when it exits or does not come up in `timeout_s` (or by `deadline`)."""
-
-    def before_exec():
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG, kept across the exec of vLLM's server
-        if core is not None:
-            os.sched_setaffinity(0, {core})
-
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=before_exec, env=env)
-    start = time.monotonic()
-    end = start + timeout_s if deadline is None else min(deadline, start + timeout_s)
-    while time.monotonic() < end:
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return proc
-        except requests.RequestException:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; its log: {log.name}")
-        time.sleep(1)
-    stop_server(proc)
-    raise RuntimeError(f"the server did not come up in {time.monotonic() - start:.0f} s; its log: {log.name}")
-
-
-def stop_server(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def pin_this_process(core):
@@ -424,10 +363,10 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         model = opts.model or build_tiny_model(os.path.join(tmp, "model"), hidden_size=256, num_layers=4, num_heads=4)
         port = free_port()
-        cmd = server_command(model, port, max_len, os.path.join(tmp, "weights"))
+        cmd = server_command(model, port, max_model_len=max_len, weight_dir=os.path.join(tmp, "weights"))
         log = open(os.path.join(tmp, "server.log"), "w")
         t = time.monotonic()
-        server = start_server(cmd, port, log, core=opts.server_core)
+        server = start_server(cmd, f"http://127.0.0.1:{port}", log, core=opts.server_core)
         server_start_s = time.monotonic() - t
         try:
             phases = Phases()

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,34 +24,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_time import StepTimer  # noqa: E402  (sets the offline environment)
 
-import requests  # noqa: E402
 import torch  # noqa: E402
 
 from trl_rpp import RPPConfig, RPPTrainer  # noqa: E402
 from trl_rpp.testing.tiny import build_tiny_model, copy_first_char_reward, copy_task_dataset  # noqa: E402
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model, port, max_len, weight_dir, log):
-    cmd = [sys.executable, "-m", "trl_rpp.serve", "--model", model, "--port", str(port), "--max_model_len",
-           str(max_len), "--weight_dir", weight_dir]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    for _ in range(900):
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return proc
-        except requests.RequestException:
-            time.sleep(1)
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; its log: {log.name}")
-    raise RuntimeError("the server did not come up")
+from trl_rpp.testing.vllm_server import free_port, server_command, start_server, stop_server  # noqa: E402
 
 
 def make_trainer(arm, model, opts, outdir, url):
@@ -103,7 +78,8 @@ def main():
         model = opts.model or build_tiny_model(os.path.join(tmp, "model"), hidden_size=256, num_layers=4, num_heads=4)
         port = free_port()
         log = open(os.path.join(tmp, "server.log"), "w")
-        server = start_server(model, port, opts.max_len, os.path.join(tmp, "weights"), log)
+        cmd = server_command(model, port, max_model_len=opts.max_len, weight_dir=os.path.join(tmp, "weights"))
+        server = start_server(cmd, f"http://127.0.0.1:{port}", log)
         try:
             arms = {arm: make_trainer(arm, model, opts, tmp, f"http://127.0.0.1:{port}")
                     for arm in ("colocate", "server_disk")}
@@ -114,8 +90,7 @@ def main():
                     del timer.times[before[0]], timer.syncs[before[1]]  # this round's warm-up step
             size = os.path.getsize(os.path.join(tmp, "weights", "weights", "model.safetensors"))
         finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait()
+            stop_server(server)
     print(f"{opts.model or 'tiny Llama hidden=256 x4 layers'}, float32, batch {opts.batch} = "
           f"{opts.batch // opts.num_generations} prompts x {opts.num_generations}, completion <= "
           f"{opts.completion_length}, threads {opts.threads}, {opts.rounds} rounds x {opts.steps - 1} timed steps per "

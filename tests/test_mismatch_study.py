@@ -1,6 +1,7 @@
-"""benchmarks/studies/mismatch_study.py (docs/evidence.md, study 4): its pure functions by hand and against
-plain-loop float64 references, the sampler of each mismatch source, the exactness of full-vocabulary score centering
-under a fixed bias, and every arm and source for 2 steps on the tiny model."""
+"""benchmarks/studies/mismatch_study.py (docs/evidence.md, study 4): its pure functions and the studies' statistics
+(benchmarks/studies/study_common.py) by hand and against plain-loop float64 references, the sampler of each mismatch
+source, the exactness of full-vocabulary score centering under a fixed bias, and every arm and source for 2 steps on
+the tiny model."""
 
 import argparse
 import itertools
@@ -17,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks", "studies"))
 
 import mismatch_study as ms  # noqa: E402
+import study_common  # noqa: E402
 
 
 # --- pure functions ---------------------------------------------------------------------------------------------
@@ -60,35 +62,35 @@ def test_quantize_per_channel_matches_a_plain_loop(bits):
 def test_t_quantile_matches_the_tables():
     # Two-sided 95% critical values of Student's t (any statistics table).
     for df, t in ((1, 12.7062), (2, 4.3027), (5, 2.5706), (10, 2.2281), (19, 2.0930), (30, 2.0423), (1e7, 1.95996)):
-        assert abs(ms.t_quantile(0.975, df) - t) < 1e-4, df
-    assert abs(ms.t_quantile(0.95, 10) - 1.8125) < 1e-4
+        assert abs(study_common.t_quantile(0.975, df) - t) < 1e-4, df
+    assert abs(study_common.t_quantile(0.95, 10) - 1.8125) < 1e-4
     with pytest.raises(ValueError, match="0.5 < p < 1"):
-        ms.t_quantile(0.4, 3)
+        study_common.t_quantile(0.4, 3)
 
 
 def test_welch_interval_by_hand():
     # mean 2, var 1 (n 3) against mean 6, var 2.5 (n 5): se^2 = 1/3 + 1/2, df = se^4 / ((1/3)^2/2 + (1/2)^2/4).
-    w = ms.welch_interval([1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0, 8.0])
+    w = study_common.welch_interval([1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0, 8.0])
     se = math.sqrt(1 / 3 + 1 / 2)
     df = (5 / 6) ** 2 / ((1 / 9) / 2 + (1 / 4) / 4)
     assert w["diff"] == -4.0 and abs(w["df"] - df) < 1e-12 and abs(df - 5.88235) < 1e-5
-    assert abs(w["se"] - se) < 1e-12 and abs(w["half"] - ms.t_quantile(0.975, df) * se) < 1e-12
+    assert abs(w["se"] - se) < 1e-12 and abs(w["half"] - study_common.t_quantile(0.975, df) * se) < 1e-12
     assert 2.447 < w["half"] / se < 2.571  # between the t quantiles at 6 and 5 degrees of freedom
     assert w["low"] == w["diff"] - w["half"] and w["high"] == w["diff"] + w["half"]
     # Equal sizes and variances: df = 2 (n - 1), the pooled t interval.
-    w = ms.welch_interval([0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0])
+    w = study_common.welch_interval([0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0])
     assert abs(w["df"] - 6.0) < 1e-12 and abs(w["half"] - 2.4469 * math.sqrt(2 * (5 / 3) / 4)) < 1e-3
-    assert ms.welch_interval([1.0, 1.0], [2.0, 2.0])["half"] == 0.0
+    assert study_common.welch_interval([1.0, 1.0], [2.0, 2.0])["half"] == 0.0
     with pytest.raises(ValueError, match=">= 2 values"):
-        ms.welch_interval([1.0], [1.0, 2.0])
+        study_common.welch_interval([1.0], [1.0, 2.0])
 
 
 def test_permutation_p_value_by_hand_and_by_sampling():
     # 6 ways to pick 2 of {0, 0, 1, 1}: only {0, 0} and {1, 1} reach |difference| = 1.
-    assert ms.permutation_p_value([0.0, 0.0], [1.0, 1.0]) == pytest.approx(2 / 6)
+    assert study_common.permutation_p_value([0.0, 0.0], [1.0, 1.0]) == pytest.approx(2 / 6)
     # 20 ways to pick 3 of 1..6: {1,2,3} and {4,5,6} reach |difference| = 3.
-    assert ms.permutation_p_value([1.0, 2.0, 3.0], [4.0, 5.0, 6.0]) == pytest.approx(2 / 20)
-    assert ms.permutation_p_value([1.0, 2.0], [1.0, 2.0]) == 1.0
+    assert study_common.permutation_p_value([1.0, 2.0, 3.0], [4.0, 5.0, 6.0]) == pytest.approx(2 / 20)
+    assert study_common.permutation_p_value([1.0, 2.0], [1.0, 2.0]) == 1.0
     # Against a plain enumeration, and the sampled test against the exact one.
     rng = random.Random(0)
     a, b = [rng.gauss(0, 1) for _ in range(6)], [rng.gauss(0.8, 1) for _ in range(7)]
@@ -96,8 +98,8 @@ def test_permutation_p_value_by_hand_and_by_sampling():
     exact = [abs(sum(pooled[i] for i in c) / 6 - (sum(pooled) - sum(pooled[i] for i in c)) / 7) >= obs - 1e-12
              for c in itertools.combinations(range(13), 6)]
     p = sum(exact) / len(exact)
-    assert ms.permutation_p_value(a, b) == pytest.approx(p)
-    assert abs(ms.permutation_p_value(a, b, exact_limit=0, n_resamples=20_000) - p) < 0.01
+    assert study_common.permutation_p_value(a, b) == pytest.approx(p)
+    assert abs(study_common.permutation_p_value(a, b, exact_limit=0, n_resamples=20_000) - p) < 0.01
 
 
 def test_curve_area_and_copy_reward_by_hand():
@@ -267,9 +269,9 @@ def test_report_contrasts_are_welch_and_permutation_of_the_files(tmp_path):
     for name, arm, control in (("sc32 − uncorrected", "sc32", "uncorrected"),
                                ("(sc32 + IS) − IS", "sc32_token_truncate", "token_truncate")):
         for key in ("sampler_copy_prob_area", "copy_prob_after"):
-            got, w = c[name][key], ms.welch_interval(values[arm], values[control])
+            got, w = c[name][key], study_common.welch_interval(values[arm], values[control])
             assert got["diff"] == pytest.approx(w["diff"]) and got["half"] == pytest.approx(w["half"])
-            assert got["p"] == pytest.approx(ms.permutation_p_value(values[arm], values[control]))
+            assert got["p"] == pytest.approx(study_common.permutation_p_value(values[arm], values[control]))
     # 0.65 - 0.2 = 0.45. Of the 35 ways to pick 4 of the 7 values only the observed one reaches it (the four smallest
     # against the three largest: 0.275 - 0.7 = -0.425).
     assert c["sc32 − uncorrected"]["copy_prob_after"]["diff"] == pytest.approx(0.45)

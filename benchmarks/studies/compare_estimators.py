@@ -48,8 +48,9 @@ import resource
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run_table, when imported from elsewhere
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run_table, study_common, when imported elsewhere
 import run_table  # noqa: E402
+from study_common import run_jobs, t_quantile, welch_interval  # noqa: E402
 
 ARMS = ("rpp", "rpp_baseline", "grpo", "grpo_noscale")
 # Second table: REINFORCE++-baseline under an induced sampler mismatch, with each correction (see `mismatch_trainer`).
@@ -367,8 +368,6 @@ def sweep(conditions, jobs):
                     print(f"[sweep] {opts.out}: {arm} seed {seed}: done earlier, skipped", flush=True)
                 else:
                     todo.append((opts, arm, seed))
-    from mismatch_study import run_jobs
-
     run_jobs([([sys.executable, os.path.abspath(__file__), "--run", arm, "--seed", str(seed)] + passthrough(opts),
                f"{opts.out}: {arm} seed {seed}") for opts, arm, seed in todo], jobs)
 
@@ -406,8 +405,6 @@ def t_interval(values):
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     t975 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}.get(n)
     if t975 is None:  # the table is what the committed reports used; past 10 seeds, the exact quantile
-        from mismatch_study import t_quantile
-
         t975 = t_quantile(0.975, n - 1)
     return mean, std, t975 * std / math.sqrt(n)
 
@@ -415,8 +412,6 @@ def t_interval(values):
 def unpaired_interval(a, b):
     """Welch's unpaired difference ``mean(a) - mean(b)`` as (diff, standard error, 95% half-width), or None with
     fewer than 2 values on a side. Runs that share a seed diverge within a few steps, so seeds are not pairs."""
-    from mismatch_study import welch_interval  # benchmarks/studies/ is on sys.path when a script runs
-
     if len(a) < 2 or len(b) < 2:
         return None
     w = welch_interval(a, b)

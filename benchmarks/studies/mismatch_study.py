@@ -55,21 +55,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import functools
-import itertools
 import json
 import math
 import os
 import random
 import re
 import resource
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run_table, when imported from elsewhere
 import run_table  # noqa: E402
+from study_common import (  # noqa: E402
+    contrast,
+    fmt_contrast,
+    fmt_interval,
+    mean_ci,
+    pending_runs,
+    run_jobs,
+    t_quantile,
+)
 
 RESULTS = "benchmarks/results/mismatch_study"
 ARMS = ("uncorrected", "token_truncate", "sc32", "sc32_token_truncate", "sc_full")
@@ -130,111 +136,6 @@ def copy_credit_reward(completions, answer, **kwargs):
     character. Every position carries reward of its own, so after the first character, whose sampled value differs
     within a group, the later ones still decide part of the reward. What follows the answer is not scored."""
     return [sum(a == b for a, b in zip(text, target)) / len(target) for text, target in zip(completions, answer)]
-
-
-def t_quantile(p: float, df: float) -> float:
-    """The ``p`` quantile of Student's t with ``df > 0`` degrees of freedom (``0.5 < p < 1``), by bisection on the
-    CDF ``1 - I_x(df/2, 1/2) / 2``, ``x = df / (df + t^2)``, to 1e-10."""
-    if not 0.5 < p < 1 or not df > 0:
-        raise ValueError(f"t_quantile: need 0.5 < p < 1 and df > 0, got p={p!r}, df={df!r}")
-    lo, hi = 0.0, 1.0
-    while 1.0 - 0.5 * _betainc(df / 2, 0.5, df / (df + hi * hi)) < p:
-        hi *= 2.0
-    while hi - lo > 1e-10 * max(1.0, hi):
-        mid = (lo + hi) / 2
-        if 1.0 - 0.5 * _betainc(df / 2, 0.5, df / (df + mid * mid)) < p:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
-def _betainc(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta ``I_x(a, b)`` (continued fraction, modified Lentz)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
-    if x > (a + 1) / (a + b + 2):
-        return 1.0 - _betainc(b, a, 1.0 - x)
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    f = d
-    for m in range(1, 500):
-        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + numerator * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            f *= c * d
-        if abs(c * d - 1.0) < 1e-15:
-            break
-    return front * f / a
-
-
-def welch_interval(a, b, level: float = 0.95):
-    """Unpaired difference ``mean(a) - mean(b)`` with Welch's ``level`` interval.
-
-    Returns ``dict(diff, se, half, low, high, df, n_a, n_b)``: ``se = sqrt(var_a/n_a + var_b/n_b)`` with sample
-    variances (ddof 1), ``half = t_q(df) * se`` with the Welch-Satterthwaite ``df``. Needs 2 or more values in each
-    group. When both variances are 0 the interval is the point itself (``df`` is then reported as infinite).
-    """
-    if len(a) < 2 or len(b) < 2:
-        raise ValueError(f"welch_interval: needs >= 2 values per group, got {len(a)} and {len(b)}")
-    ma, mb = sum(a) / len(a), sum(b) / len(b)
-    va = sum((x - ma) ** 2 for x in a) / (len(a) - 1) / len(a)
-    vb = sum((x - mb) ** 2 for x in b) / (len(b) - 1) / len(b)
-    se = math.sqrt(va + vb)
-    if se == 0:
-        half, df = 0.0, math.inf
-    else:
-        df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-        half = t_quantile(0.5 + level / 2, df) * se
-    diff = ma - mb
-    return dict(diff=diff, se=se, half=half, low=diff - half, high=diff + half, df=df, n_a=len(a), n_b=len(b))
-
-
-def permutation_p_value(a, b, n_resamples: int = 20_000, seed: int = 0, exact_limit: int = 100_000) -> float:
-    """Two-sided permutation test of ``mean(a) - mean(b)``: the share of relabelings of the pooled values whose
-    absolute difference of means is at least the observed one (within 1e-12).
-
-    Every relabeling is enumerated when there are at most `exact_limit` of them; otherwise `n_resamples` random
-    ones (from `seed`) are drawn and the p-value is ``(hits + 1) / (n_resamples + 1)``.
-    """
-    pooled, na = list(a) + list(b), len(a)
-    n, total = len(pooled), sum(pooled)
-    if na == 0 or na == n:
-        raise ValueError("permutation_p_value: both groups need at least one value")
-
-    def stat(sum_a):
-        return abs(sum_a / na - (total - sum_a) / (n - na))
-
-    observed = stat(sum(a)) - 1e-12
-    if math.comb(n, na) <= exact_limit:
-        sums = [sum(pooled[i] for i in idx) for idx in itertools.combinations(range(n), na)]
-        return sum(stat(s) >= observed for s in sums) / len(sums)
-    import numpy as np
-
-    # The relabelings `random.Random(seed).sample(pooled, na)` draws (they depend on n and na only), summed in the
-    # order it returns them, as Python's `sum` would: the same floats, so the same p-value, at numpy's speed.
-    picked = np.asarray(pooled, dtype=np.float64)[_resampled_indices(n, na, n_resamples, seed)]
-    sums = picked[:, 0].copy()
-    for j in range(1, na):
-        sums += picked[:, j]
-    hits = int((np.abs(sums / na - (total - sums) / (n - na)) >= observed).sum())
-    return (hits + 1) / (n_resamples + 1)
-
-
-@functools.lru_cache(maxsize=16)
-def _resampled_indices(n: int, na: int, n_resamples: int, seed: int):
-    """``[n_resamples, na]``: the positions `random.Random(seed).sample(range(n), na)` draws, resample by resample."""
-    import numpy as np
-
-    rng = random.Random(seed)
-    return np.array([rng.sample(range(n), na) for _ in range(n_resamples)], dtype=np.int64)
 
 
 def curve_area(curve) -> float:
@@ -599,14 +500,6 @@ def run_one(condition: str, arm: str, seed: int, opts):
 RUN_SETTINGS = ("steps", "prompts", "generations", "lr", "heldout", "eval_every", "lengths")
 
 
-def passthrough(opts):
-    flags = ["--out", opts.out, "--threads", str(opts.threads)]
-    for key in RUN_SETTINGS:
-        value = getattr(opts, key)
-        flags += [f"--{key}", ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)]
-    return flags
-
-
 def arms_of(condition, arms):
     """The arms of `arms` a condition runs: with a bias (the sanity check) only `BIAS_ARMS`, elsewhere all but
     `onpolicy`."""
@@ -622,37 +515,9 @@ def sweep(opts):
     from trl_rpp.testing.tiny import build_tiny_model
 
     build_tiny_model(os.path.join(opts.out, "tiny-model"))  # once, before parallel runs would race to build it
-    todo = []
-    for seed in opts.seeds:
-        for condition in opts.conditions:
-            for arm in arms_of(condition, opts.arms):
-                if os.path.exists(os.path.join(opts.out, condition, arm, f"seed{seed}", "summary.json")):
-                    print(f"[sweep] {condition}/{arm} seed {seed}: done earlier, skipped", flush=True)
-                else:
-                    todo.append(([sys.executable, os.path.abspath(__file__), "--run", condition, arm, str(seed)]
-                                 + passthrough(opts), f"{condition}/{arm} seed {seed}"))
+    todo = pending_runs(__file__, opts, RUN_SETTINGS,
+                        cells=[((c,), arms_of(c, opts.arms)) for c in opts.conditions])
     run_jobs(todo, opts.jobs)
-
-
-def run_jobs(todo, jobs: int):
-    """Run the ``(command, label)`` of `todo` in order, `jobs` processes at a time. A failed command stops the
-    launches; once the commands in flight have ended, raises `CalledProcessError` with the first that failed."""
-    running, failed = [], []
-    while todo or running:
-        while todo and len(running) < jobs and not failed:
-            cmd, label = todo.pop(0)
-            print(f"[sweep] {label}: running ({len(todo)} left)", flush=True)
-            running.append((cmd, subprocess.Popen(cmd)))
-        if failed and not running:
-            break
-        time.sleep(0.5)
-        for item in list(running):
-            if item[1].poll() is not None:
-                running.remove(item)
-                if item[1].returncode != 0:
-                    failed.append(item[0])
-    if failed:
-        raise subprocess.CalledProcessError(1, failed[0])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -698,32 +563,6 @@ def load_runs(root, condition, study=None):
     return runs
 
 
-def _mean_ci(values):
-    n = len(values)
-    m = sum(values) / n
-    if n < 2:
-        return f"{m:.3f}"
-    half = t_quantile(0.975, n - 1) * math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
-    return f"{m:.3f} [{m - half:.3f}, {m + half:.3f}]"
-
-
-def _contrast(a, b):
-    if len(a) < 2 or len(b) < 2:
-        return None
-    w = welch_interval(a, b)
-    return dict(w, p=permutation_p_value(a, b))
-
-
-def _fmt_interval(c):
-    return "—" if c is None else f"{c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]"
-
-
-def _fmt_contrast(c):
-    if c is None:
-        return "—"
-    return _fmt_interval(c) + (" (p < 0.001)" if c["p"] < 0.001 else f" (p = {c['p']:.3f})")
-
-
 def report(opts):
     """`<out>/report.md` and `report.json` (docs/evidence.md copies the summary table) and the figure, from every
     run under `--out` (`load_study`)."""
@@ -754,20 +593,20 @@ def report(opts):
                              cpu_seconds=sum(r["cpu_seconds"] for r in rs) / len(rs),
                              mean_sampler_curve=[[curves[0][j][0], sum(c[j][1] for c in curves) / len(curves)]
                                                  for j in range(n)])
-            cells = [_mean_ci(rows[arm][k]) for k, _ in METRICS]
+            cells = [mean_ci(rows[arm][k]) for k, _ in METRICS]
             lines.append(f"| `{arm}` | {len(rs)} | " + " | ".join(cells) +
                          f" | {rows[arm]['gap']:.3g} | {rows[arm]['cpu_seconds']:.0f} |")
         lines += ["", "| contrast | " + " | ".join(name for _, name in METRICS) + " |", "|---|" + "---|" * len(METRICS)]
         contrasts = {}
         for name, arm, control in CONTRASTS:
             if arm in rows and control in rows:
-                contrasts[name] = {k: _contrast(rows[arm][k], rows[control][k]) for k, _ in METRICS}
-                lines.append(f"| {name} | " + " | ".join(_fmt_contrast(contrasts[name][k]) for k, _ in METRICS) + " |")
+                contrasts[name] = {k: contrast(rows[arm][k], rows[control][k]) for k, _ in METRICS}
+                lines.append(f"| {name} | " + " | ".join(fmt_contrast(contrasts[name][k]) for k, _ in METRICS) + " |")
         sanity = None
         if "onpolicy" in rows and "sc_full" in rows:
-            contrasts["sc_full − onpolicy"] = {k: _contrast(rows["sc_full"][k], rows["onpolicy"][k]) for k, _ in METRICS}
+            contrasts["sc_full − onpolicy"] = {k: contrast(rows["sc_full"][k], rows["onpolicy"][k]) for k, _ in METRICS}
             lines.append("| sc_full − onpolicy | " + " | ".join(
-                _fmt_contrast(contrasts["sc_full − onpolicy"][k]) for k, _ in METRICS) + " |")
+                fmt_contrast(contrasts["sc_full − onpolicy"][k]) for k, _ in METRICS) + " |")
             sanity = bias_sanity(runs["sc_full"], runs["onpolicy"])
             lines += ["", "`sc_full` against `onpolicy`, per seed: the first step whose training reward differs "
                       "(4 significant digits), and the final score's difference under the sampler.", ""]
@@ -817,11 +656,11 @@ def _summary_lines(out, conditions):
             continue
         arms, contrasts = out[condition]["arms"], out[condition]["contrasts"]
         seeds = "/".join(str(n) for n in sorted({len(r["seeds"]) for r in arms.values()}))
-        cells = [_fmt_interval(contrasts.get(name, {}).get(key)) for name, _, _ in CONTRASTS]
+        cells = [fmt_interval(contrasts.get(name, {}).get(key)) for name, _, _ in CONTRASTS]
         gap = arms["uncorrected"]["gap"]  # nats per token, mean over the uncorrected runs' steps
         mantissa, exponent = f"{gap:.1e}".split("e")
         gap = f"{gap:.2g}" if gap >= 1e-3 else f"{mantissa}e{int(exponent)}"
-        lines.append(f"| `{condition}` | {seeds} | {gap} | {_mean_ci(arms['uncorrected'][key])} | "
+        lines.append(f"| `{condition}` | {seeds} | {gap} | {mean_ci(arms['uncorrected'][key])} | "
                      + " | ".join(cells) + " |")
     return lines + [""]
 

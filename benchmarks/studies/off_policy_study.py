@@ -65,9 +65,6 @@ import math
 import os
 import resource
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -77,19 +74,27 @@ T0 = time.perf_counter()  # the process's start, near enough: a run's wall time 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # mismatch_study, when imported from elsewhere
 
 import run_table  # noqa: E402
+from study_common import (  # noqa: E402
+    contrast_table,
+    dispatch,
+    mean_ci,
+    pending_runs,
+    run_jobs,
+    runs_by_arm,
+    split_lists,
+    write_report,
+)
 from mismatch_study import (  # noqa: E402
     IS_CLIP_MAX,
-    _contrast,
-    _fmt_contrast,
-    _mean_ci,
     _round,
     copy_credit_reward,
     copy_prob,
     copy_rows,
     curve_area,
     greedy_credit,
-    run_jobs,
 )
+
+from trl_rpp.testing.vllm_server import free_port, server_command, start_server, stop_server  # noqa: E402
 
 RESULTS = "benchmarks/results/off_policy_study"
 # arm: (max_staleness, TRL's token-level importance-sampling mode or None: no correction)
@@ -274,86 +279,30 @@ def model_path(out):
     return os.path.join(out, "tiny-model")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model, port, weight_dir, log, timeout_s=900):
-    """docs/vllm.md's CPU server, `trl-rpp vllm-serve` (as `python -m trl_rpp.serve`, the same program), in a session
-    of its own; returns the process once /health answers, or raises naming the log."""
-    import requests
-
-    cmd = [sys.executable, "-m", "trl_rpp.serve", "--model", model, "--port", str(port), "--max_model_len",
-           str(MAX_MODEL_LEN), "--weight_dir", weight_dir]
-    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    print(f"[sweep] starting the server: {' '.join(cmd)} (log: {log.name})", flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return proc
-        except requests.RequestException:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with {proc.returncode}; its log: {log.name}")
-        time.sleep(1)
-    stop_server(proc)
-    raise RuntimeError(f"the vLLM server did not come up in {timeout_s} s; its log: {log.name}")
-
-
-def stop_server(proc):
-    """The server's whole session: SIGTERM, then SIGKILL after 60 s."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def passthrough(opts):
-    flags = ["--out", opts.out, "--threads", str(opts.threads), "--server_url", opts.server_url,
-             "--weight_dir", opts.weight_dir]
-    for key in RUN_SETTINGS:
-        value = getattr(opts, key)
-        flags += [f"--{key}", ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)]
-    return flags
-
-
 def sweep(opts):
-    """Every (arm, seed) without a summary.json, one at a time against one server started here (and stopped at the
-    end): seeds outermost (a sweep cut short has the same seeds in every arm), the arms in turn within a seed (so
-    that the machine's load hits them alike). The server's log and weight directory lie in a temporary directory,
-    removed after a sweep without failure (kept, and named, after one that failed)."""
+    """Every (arm, seed) without a summary.json (`pending_runs`), one at a time against one server started here (and
+    stopped at the end). The server's log and weight directory lie in a temporary directory, removed after a sweep
+    without failure (kept, and named, after one that failed)."""
     from trl_rpp.testing.tiny import build_tiny_model
 
     build_tiny_model(model_path(opts.out), hidden_size=HIDDEN, num_heads=HEADS)
-    todo = []
-    for seed in opts.seeds:
-        for arm in opts.arms:
-            if os.path.exists(os.path.join(opts.out, arm, f"seed{seed}", "summary.json")):
-                print(f"[sweep] {arm} seed {seed}: done earlier, skipped", flush=True)
-            else:
-                todo.append((arm, seed))
-    if not todo:
-        return
-    work = tempfile.mkdtemp(prefix="off_policy_study-")
-    log = open(os.path.join(work, "server.log"), "w")
     port = free_port()
+    work = tempfile.mkdtemp(prefix="off_policy_study-")
     opts.server_url, opts.weight_dir = f"http://127.0.0.1:{port}", os.path.join(work, "weights")
+    todo = pending_runs(__file__, opts, RUN_SETTINGS, extra=("server_url", "weight_dir"))
+    if not todo:
+        shutil.rmtree(work)
+        return
+    log = open(os.path.join(work, "server.log"), "w")
     server, ok, began = None, False, time.perf_counter()
     try:
-        server = start_server(os.path.abspath(model_path(opts.out)), port, opts.weight_dir, log)
+        cmd = server_command(os.path.abspath(model_path(opts.out)), port, max_model_len=MAX_MODEL_LEN,
+                             weight_dir=opts.weight_dir)
+        print(f"[sweep] starting the server: {' '.join(cmd)} (log: {log.name})", flush=True)
+        server = start_server(cmd, opts.server_url, log,
+                              env=dict(os.environ, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1"))
         print(f"[sweep] the server is up after {time.perf_counter() - began:.0f} s", flush=True)
-        run_jobs([([sys.executable, os.path.abspath(__file__), "--run", arm, str(seed)] + passthrough(opts),
-                   f"{arm} seed {seed}") for arm, seed in todo], 1)
+        run_jobs(todo, 1)
         ok = True
         print(f"[sweep] {len(todo)} runs done in {time.perf_counter() - began:.0f} s, the server's start included",
               flush=True)
@@ -397,13 +346,7 @@ def read_run(where):
 def load_runs(root):
     """Per arm, the records of its runs: from the runs' summary.json files when there are any (also written to
     `<root>/runs.parquet`), else from that table."""
-    records = run_table.Runs(run_table.load(root, run_table.raw_runs(root, read_run)))
-    runs = {}
-    for arm in ARMS:
-        for d in records.children(arm):
-            if records.get(arm, d) is not None:
-                runs.setdefault(arm, []).append(records.get(arm, d))
-    return runs
+    return runs_by_arm(run_table.Runs(run_table.load(root, run_table.raw_runs(root, read_run))), ARMS)
 
 
 def _stat_of(run, key):
@@ -422,7 +365,7 @@ def report(opts):
     """`<out>/report.md` and `report.json`: per arm, each metric's mean [95% t] and the ratio statistics; per
     pre-registered contrast, Welch's unpaired 95% interval and a permutation p."""
     runs = load_runs(opts.out)
-    rows, contrasts = {}, {}
+    rows = {}
     lines = ["### Off-policy study: one generation batch of staleness through a vLLM server", "",
              "Held-out copy probability (teacher-forced, per position, exact) of the trained model, mean [95% t "
              "interval] over seeds; contrasts: unpaired difference of means, Welch 95% interval, two-sided "
@@ -440,13 +383,9 @@ def report(opts):
                                                           for r in rs),
                          cpu_seconds=sum(r["cpu_seconds"] for r in rs) / len(rs),
                          wall_seconds=sum(r["wall_seconds"] for r in rs) / len(rs))
-        lines.append(f"| `{arm}` | {len(rs)} | " + " | ".join(_mean_ci(rows[arm][k]) for k, _ in METRICS)
+        lines.append(f"| `{arm}` | {len(rs)} | " + " | ".join(mean_ci(rows[arm][k]) for k, _ in METRICS)
                      + f" | {rows[arm]['first_step_log_ratio_abs_max']:.2g} | {rows[arm]['wall_seconds']:.0f} |")
-    lines += ["", "| contrast | " + " | ".join(name for _, name in METRICS) + " |", "|---|" + "---|" * len(METRICS)]
-    for name, arm, control in CONTRASTS:
-        if arm in rows and control in rows:
-            contrasts[name] = {k: _contrast(rows[arm][k], rows[control][k]) for k, _ in METRICS}
-            lines.append(f"| {name} | " + " | ".join(_fmt_contrast(contrasts[name][k]) for k, _ in METRICS) + " |")
+    contrasts = contrast_table(lines, rows, CONTRASTS, METRICS)
     arms = [a for a in ARMS if a in rows]
     lines += ["", "Ratio statistics, per run over steps 2 to the last (the first batch is on policy in every arm): "
               "a mean statistic averaged over the steps, a min or max the extreme over the steps; each cell the mean "
@@ -455,13 +394,7 @@ def report(opts):
     for key, what in IS_ROWS:
         lines.append(f"| {what} | " + " | ".join(_fmt_stat(rows[a]["is_stats"][key]) for a in arms) + " |")
     lines.append("")
-    os.makedirs(opts.out, exist_ok=True)
-    with open(os.path.join(opts.out, "report.json"), "w") as f:
-        json.dump(dict(arms=rows, contrasts=contrasts), f, indent=1)
-    with open(os.path.join(opts.out, "report.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return dict(arms=rows, contrasts=contrasts)
+    return write_report(opts.out, lines, dict(arms=rows, contrasts=contrasts))
 
 
 def main():
@@ -482,19 +415,8 @@ def main():
     ap.add_argument("--run", nargs=2, metavar=("ARM", "SEED"), default=None, help="internal: one run")
     ap.add_argument("--report", action="store_true")
     opts = ap.parse_args()
-    opts.lengths = [int(x) for x in str(opts.lengths).split(",")]
-    opts.seeds = [int(x) for x in opts.seeds.split(",")]
-    opts.arms = opts.arms.split(",")
-    for arm in opts.arms + ([opts.run[0]] if opts.run else []):
-        if arm not in ARMS:
-            raise ValueError(f"--arms: unknown arm {arm!r}; accepted: {', '.join(ARMS)}")
-    if opts.run:
-        run_one(opts.run[0], int(opts.run[1]), opts)
-    elif opts.report:
-        report(opts)
-    else:
-        sweep(opts)
-        report(opts)
+    split_lists(opts, ARMS)
+    dispatch(opts, run_one, sweep, report)
 
 
 if __name__ == "__main__":

@@ -58,17 +58,23 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # mismatch_study, when imported from elsewhere
 
 import run_table  # noqa: E402
+from study_common import (  # noqa: E402
+    contrast_table,
+    dispatch,
+    mean_ci,
+    pending_runs,
+    run_jobs,
+    runs_by_arm,
+    split_lists,
+    write_report,
+)
 from mismatch_study import (  # noqa: E402
-    _contrast,
-    _fmt_contrast,
-    _mean_ci,
     _round,
     copy_credit_reward,
     copy_prob,
     copy_rows,
     curve_area,
     greedy_credit,
-    run_jobs,
     sampled_trainer,
 )
 
@@ -256,28 +262,12 @@ def run_one(arm: str, seed: int, opts):
     return summary
 
 
-def passthrough(opts):
-    flags = ["--out", opts.out, "--threads", str(opts.threads)]
-    for key in RUN_SETTINGS:
-        value = getattr(opts, key)
-        flags += [f"--{key}", ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)]
-    return flags
-
-
 def sweep(opts):
-    """Every (arm, seed) without a summary.json, `--jobs` at a time, seeds outermost (a sweep cut short has the same
-    seeds in every arm), the arms in turn within a seed (so that machine load hits them alike)."""
+    """Every (arm, seed) without a summary.json (`pending_runs`), `--jobs` at a time."""
     from trl_rpp.testing.tiny import build_tiny_model
 
     build_tiny_model(os.path.join(opts.out, "tiny-model"))  # once, before parallel runs would race to build it
-    todo = []
-    for seed in opts.seeds:
-        for arm in opts.arms:
-            if os.path.exists(os.path.join(opts.out, arm, f"seed{seed}", "summary.json")):
-                print(f"[sweep] {arm} seed {seed}: done earlier, skipped", flush=True)
-            else:
-                todo.append(([sys.executable, os.path.abspath(__file__), "--run", arm, str(seed)] + passthrough(opts),
-                             f"{arm} seed {seed}"))
+    todo = pending_runs(__file__, opts, RUN_SETTINGS)
     run_jobs(todo, opts.jobs)
 
 
@@ -298,20 +288,14 @@ def read_run(where):
 def load_runs(root):
     """Per arm, the records of its runs: from the runs' summary.json files when there are any (also written to
     `<root>/runs.parquet`), else from that table."""
-    records = run_table.Runs(run_table.load(root, run_table.raw_runs(root, read_run)))
-    runs = {}
-    for arm in ARMS:
-        for d in records.children(arm):
-            if records.get(arm, d) is not None:
-                runs.setdefault(arm, []).append(records.get(arm, d))
-    return runs
+    return runs_by_arm(run_table.Runs(run_table.load(root, run_table.raw_runs(root, read_run))), ARMS)
 
 
 def report(opts):
     """`<out>/report.md` and `report.json`: per arm, each metric's mean [95% t]; per pre-registered contrast, Welch's
     unpaired 95% interval and a permutation p."""
     runs = load_runs(opts.out)
-    rows, contrasts = {}, {}
+    rows = {}
     lines = ["### Study 5: replay of a truncating sampler's kept set", "",
              "Held-out copy probability (teacher-forced, per position, exact), mean [95% t interval] over seeds; "
              "contrasts: unpaired difference of means, Welch 95% interval, two-sided permutation p. Hypotheses: "
@@ -328,22 +312,12 @@ def report(opts):
                          is_weight_step1=sum(f["truncation/is_weight_mean"] for f in firsts) / len(firsts),
                          cpu_seconds=sum(r["cpu_seconds"] for r in rs) / len(rs),
                          wall_step_seconds=sum(sum(r["step_seconds"]) for r in rs) / len(rs))
-        lines.append(f"| `{arm}` | {len(rs)} | " + " | ".join(_mean_ci(rows[arm][k]) for k, _ in METRICS)
+        lines.append(f"| `{arm}` | {len(rs)} | " + " | ".join(mean_ci(rows[arm][k]) for k, _ in METRICS)
                      + f" | {rows[arm]['kept_mass_step1']:.3f} | {rows[arm]['is_weight_step1']:.3f}"
                      + f" | {rows[arm]['cpu_seconds']:.0f} |")
-    lines += ["", "| contrast | " + " | ".join(name for _, name in METRICS) + " |", "|---|" + "---|" * len(METRICS)]
-    for name, arm, control in CONTRASTS:
-        if arm in rows and control in rows:
-            contrasts[name] = {k: _contrast(rows[arm][k], rows[control][k]) for k, _ in METRICS}
-            lines.append(f"| {name} | " + " | ".join(_fmt_contrast(contrasts[name][k]) for k, _ in METRICS) + " |")
+    contrasts = contrast_table(lines, rows, CONTRASTS, METRICS)
     lines.append("")
-    os.makedirs(opts.out, exist_ok=True)
-    with open(os.path.join(opts.out, "report.json"), "w") as f:
-        json.dump(dict(arms=rows, contrasts=contrasts), f, indent=1)
-    with open(os.path.join(opts.out, "report.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return dict(arms=rows, contrasts=contrasts)
+    return write_report(opts.out, lines, dict(arms=rows, contrasts=contrasts))
 
 
 def main():
@@ -364,19 +338,8 @@ def main():
     ap.add_argument("--run", nargs=2, metavar=("ARM", "SEED"), default=None, help="internal: one run")
     ap.add_argument("--report", action="store_true")
     opts = ap.parse_args()
-    opts.lengths = [int(x) for x in str(opts.lengths).split(",")]
-    opts.seeds = [int(x) for x in opts.seeds.split(",")]
-    opts.arms = opts.arms.split(",")
-    for arm in opts.arms + ([opts.run[0]] if opts.run else []):
-        if arm not in ARMS:
-            raise ValueError(f"--arms: unknown arm {arm!r}; accepted: {', '.join(ARMS)}")
-    if opts.run:
-        run_one(opts.run[0], int(opts.run[1]), opts)
-    elif opts.report:
-        report(opts)
-    else:
-        sweep(opts)
-        report(opts)
+    split_lists(opts, ARMS)
+    dispatch(opts, run_one, sweep, report)
 
 
 if __name__ == "__main__":

@@ -242,28 +242,19 @@ def disk_full(outdir, name, initial_probe):
 
 
 def start_server(dev_mode):
-    cmd = json.loads(os.environ["RPP_TEST_SERVER_CMD"])
+    """The test's server again (`$RPP_TEST_SERVER_CMD`), with or without dev mode, once it answers /health."""
+    from trl_rpp.testing.vllm_server import start_server
+
     env = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{URL}/health", timeout=5).status_code == 200:
-                return proc
-        except requests.RequestException:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        time.sleep(1)
-    raise RuntimeError("the server did not come up")
+    return start_server(json.loads(os.environ["RPP_TEST_SERVER_CMD"]), URL, env=env, timeout_s=600)
 
 
 def stop_server(proc):
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    from trl_rpp.testing.vllm_server import stop_server
+
+    stop_server(proc, sig=signal.SIGKILL)
 
 
 def restart(outdir, name, initial_probe):
