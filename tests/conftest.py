@@ -3,8 +3,14 @@ subprocess scripts import, and those scripts, are in tests/support/ (on `sys.pat
 
 The suite runs on both cores with pytest-xdist (`make test`): each worker gets its share of the cores' threads,
 tests that share a module-scoped fixture (a vLLM engine, a reference run) stay on one worker, the models built for
-the whole session are built once for all workers, and no Python process of the suite can reach the network
-(tests/harness)."""
+the whole session are built once for all workers, one vLLM server per model serves every test that trains against
+a server (tests/support/servers.py), and no Python process of the suite can reach the network (tests/harness).
+
+vLLM runs with `VLLM_CPU_CI_ENV=1`, the setting of vLLM's own CPU CI: its CPU backend then traces the model once and
+runs it eagerly instead of compiling it with inductor, which on a machine without a compile cache costs 25 to 40 s
+at every engine start (a server start: 71 to 84 s cold, 47 s warm, 42 to 46 s without the compile), and skips the
+warm-up. The engine, its kernels and its sampler are the same; a token costs more (16-token requests: 0.19 s instead
+of 0.05 s), which the suite's short runs repay many times. Users' engines compile as usual."""
 
 import importlib.util
 import os
@@ -19,6 +25,7 @@ HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness")
 SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
 sys.path.insert(0, SUPPORT)  # `from trainer_helpers import ...` in the test files
 os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("VLLM_CPU_CI_ENV", "1")  # see the module docstring; every subprocess inherits it
 # SmolLM2's converted checkpoint (`trl_rpp.testing.assets`): a cache of the tests' own, shared by xdist workers and
 # the subprocesses they start, never the user's ~/.cache/trl_rpp.
 os.environ.setdefault("TRL_RPP_CACHE", os.path.join(tempfile.gettempdir(), "trl_rpp-test-cache"))
@@ -43,7 +50,8 @@ def pytest_configure(config):
 
 
 # Session fixtures that run something big once for tests in several modules: their tests share one xdist worker.
-SHARED_RUNS = {"two_process_runs"}
+# The shared vLLM servers too: one trainer at a time syncs into a server, and the tests that stop one stop no other's.
+SHARED_RUNS = {"two_process_runs", "vllm_server_process", "tool_vllm_server_process"}
 
 
 def xdist_group_of(item):
@@ -139,3 +147,59 @@ def two_process_runs(tmp_path_factory, tiny_model, eos_model):
                           capture_output=True, text=True, timeout=540)  # a hung collective fails instead of blocking
     assert_launch_finished(outdir, proc.returncode, proc.stdout[-3000:] + proc.stderr)
     return outdir
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory):
+    """The tiny random-init Llama with 2 heads of 64 (vLLM's CPU attention has kernels for that head size), built
+    once per session at one path, so that every engine started for it finds the same compile cache."""
+    from trl_rpp.testing.tiny import build_tiny_model
+
+    return shared_build(tmp_path_factory, "vllm_model",
+                        lambda path: build_tiny_model(path, hidden_size=128, num_heads=2))
+
+
+@pytest.fixture(scope="session")
+def matrix_models(tmp_path_factory):
+    """The folder of the combination matrix's models (tests/support/matrix.py, `model_paths`), built once."""
+    import matrix
+
+    return shared_build(tmp_path_factory, "matrix_models", lambda path: (matrix.model_paths(str(path)), str(path))[1])
+
+
+def _shared_server(tmp_path_factory, model, name):
+    from servers import ServerStartError, SharedServer
+
+    log = tmp_path_factory.mktemp(name) / "server.log"
+    env = dict(HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    try:
+        server = SharedServer(model, log, env)
+    except ServerStartError as err:
+        with open(log) as f:
+            pytest.fail(f"trl-rpp vllm-serve did not come up: {err}\n{f.read()[-3000:]}")
+    print(f"\n{name}: started in {server.start_seconds:.0f} s for {model}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server_process(tmp_path_factory, vllm_model):
+    """The test run's server for `vllm_model` (tests/support/servers.py's `SharedServer`)."""
+    yield from _shared_server(tmp_path_factory, vllm_model, "vllm_server")
+
+
+@pytest.fixture(scope="session")
+def tool_vllm_server_process(tmp_path_factory, matrix_models):
+    """The test run's server for the matrix's tool-calling model (`matrix.model_paths(...)["none"]`)."""
+    import matrix
+
+    yield from _shared_server(tmp_path_factory, matrix.model_paths(matrix_models)["none"], "tool_vllm_server")
+
+
+@pytest.fixture
+def vllm_server(vllm_server_process):
+    """TRL's client of the shared server for `vllm_model`, the server at the checkpoint's weights with an empty
+    prefix cache (`SharedServer.reset`), whatever the test before synced into it; `server_process`,
+    `server_command`, `server_log` and `shared` (the `SharedServer`) are set on it."""
+    return vllm_server_process.client()
+

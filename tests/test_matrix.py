@@ -5,14 +5,12 @@ refused when its config or its trainer is built, as `REFUSALS` says, and docs/ro
 
 Where the cells run: transformers cells of one process in this process; colocated vLLM cells of one process in one
 subprocess that shares a colocated engine between its trainers; the other cells of two processes in one
-`accelerate launch` (DDP, gloo); the vLLM server cells against one real server (`trl-rpp vllm-serve`, float32, on
-the CPU) that `server_cells` starts for them alone, those of one process in one subprocess and those of two in one
-`accelerate launch`."""
+`accelerate launch` (DDP, gloo); the vLLM server cells against the test run's one real server for the tool model
+(`trl-rpp vllm-serve`, float32, on the CPU; tests/conftest.py's `tool_vllm_server_process`), those of one process
+in one subprocess and those of two in one `accelerate launch`."""
 
 import math
 import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -21,8 +19,7 @@ import pytest
 import matrix
 from test_engines import launch
 from test_metrics_doc import documented_patterns
-from test_vllm_engine import ENV, VLLM_ENV, documented_server_command, run_script
-from trainer_helpers import free_port
+from test_vllm_engine import ENV, VLLM_ENV, run_script
 
 HERE = Path(__file__).resolve().parent
 ROBUSTNESS = HERE.parent / "docs" / "robustness.md"
@@ -110,13 +107,6 @@ def check_refused(cell, result):
         assert field.split("=")[0] in result["message"], (field, result["message"])
 
 
-@pytest.fixture(scope="session")
-def matrix_models(tmp_path_factory):
-    from conftest import shared_build
-
-    return shared_build(tmp_path_factory, "matrix_models", lambda path: (matrix.model_paths(str(path)), str(path))[1])
-
-
 # Model folders that do not exist, and (`matrix.server_url`) a server address nobody listens on: a refused cell is
 # refused before any model is loaded or any server reached.
 NO_MODELS = {"none": "/nonexistent/matrix-model", "qwen3": "/nonexistent/matrix-model"}
@@ -186,70 +176,28 @@ def test_ddp_cell(ddp_cells, i):
         check_trains(matrix.CELLS[i], load(ddp_cells, i, rank))
 
 
-class Server:
-    """vLLM's server on localhost for `model`, started by docs/vllm.md's CPU command (`trl-rpp vllm-serve`: float32,
-    dev mode, processed log-probs, no cap on their number), as tests/test_vllm_engine.py's `vllm_server` starts it;
-    its output goes to `log` (a pipe nobody reads would fill up and block it). Stopped on leaving."""
-
-    def __init__(self, model, log):
-        self.model, self.log_path = model, log
-
-    def __enter__(self):
-        from trl.generation.vllm_client import VLLMClient
-
-        port = free_port()
-        cmd = documented_server_command(self.model, port)
-        env = {k: v for k, v in dict(os.environ, **ENV).items() if k not in ("VLLM_SERVER_DEV_MODE",
-                                                                              "VLLM_CPU_KVCACHE_SPACE")}
-        self.log = open(self.log_path, "w+")
-        start = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        self.url = f"http://127.0.0.1:{port}"
-        try:
-            VLLMClient(base_url=self.url, connection_timeout=300)  # waits until the server answers
-        except Exception as e:
-            self.log.seek(0)
-            printed = self.log.read()[-3000:]
-            self.__exit__(None, None, None)
-            pytest.fail(f"trl-rpp vllm-serve did not come up: {e}\n{printed}")
-        self.start_seconds = time.perf_counter() - start
-        return self
-
-    def __exit__(self, *exc):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
-def server_cells(tmp_path_factory, matrix_models):
-    """Every vLLM server cell, against one server started for them and stopped after them: those of one process in
-    one subprocess, those of two in one `accelerate launch`. Each cell trains its own trainer, whose first sync
-    replaces the weights that the cell before left on the server."""
+def server_cells(tmp_path_factory, matrix_models, tool_vllm_server_process):
+    """Every vLLM server cell, against the test run's server for the tool model (tests/conftest.py's
+    `tool_vllm_server_process`, taken at its base weights): those of one process in one subprocess, those of two in one
+    `accelerate launch`. Each cell trains its own trainer, whose first sync replaces the weights that the cell before
+    left on the server."""
     outdir = tmp_path_factory.mktemp("matrix_server")
-    model = matrix.model_paths(matrix_models)["none"]
+    tool_vllm_server = tool_vllm_server_process.client()
+    env = {matrix.SERVER_URL_ENV: tool_vllm_server.base_url}
+    single, ddp = ",".join(map(str, indices("server"))), ",".join(map(str, indices("server_ddp")))
+    timings = {"server start (shared)": tool_vllm_server.shared.start_seconds}
     start = time.perf_counter()
-    with Server(model, outdir / "server.log") as server:
-        env = {matrix.SERVER_URL_ENV: server.url}
-        single, ddp = ",".join(map(str, indices("server"))), ",".join(map(str, indices("server_ddp")))
-        timings = {"server start": server.start_seconds}
-        if single:
-            began = time.perf_counter()
-            run_script([SCRIPT, str(outdir), matrix_models, single], dict(os.environ, **ENV, **env),
-                       timeout=RUN_TIMEOUT_S)
-            timings["one process"] = time.perf_counter() - began
-        if ddp:
-            began = time.perf_counter()
-            launch("ddp.yaml", [SCRIPT, str(outdir), matrix_models, ddp], timeout=RUN_TIMEOUT_S,
-                   extra_env=dict(VLLM_ENV, **env))
-            timings["two processes"] = time.perf_counter() - began
-    timings["in all"] = time.perf_counter() - start
+    if single:
+        began = time.perf_counter()
+        run_script([SCRIPT, str(outdir), matrix_models, single], dict(os.environ, **ENV, **env), timeout=RUN_TIMEOUT_S)
+        timings["one process"] = time.perf_counter() - began
+    if ddp:
+        began = time.perf_counter()
+        launch("ddp.yaml", [SCRIPT, str(outdir), matrix_models, ddp], timeout=RUN_TIMEOUT_S,
+               extra_env=dict(VLLM_ENV, **env))
+        timings["two processes"] = time.perf_counter() - began
+    timings["cells in all"] = time.perf_counter() - start
     print(f"\nvLLM server cells: {', '.join(f'{k} {v:.0f} s' for k, v in timings.items())}")
     return str(outdir)
 

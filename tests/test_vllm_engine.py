@@ -13,9 +13,7 @@ held, so they agree to float32 rounding of the exp and the sums (`REL_TOL = 1e-5
 import json
 import math
 import os
-import shlex
 from collections import defaultdict
-from pathlib import Path
 import signal
 import subprocess
 import sys
@@ -26,9 +24,8 @@ import torch
 
 from reference import ref_global_masked_normalize, ref_group_mean_advantages, ref_reinforce_pp_returns
 from test_engines import launch
-from trainer_helpers import IS_MODES, IS_STEPS_PER_MODE, free_port
+from trainer_helpers import IS_MODES, IS_STEPS_PER_MODE
 from trl_rpp.records.settings import record_width
-from trl_rpp.testing.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -42,11 +39,6 @@ REWARD_WEIGHTS = (1.0, 0.5)
 # launch() adds the rest; TRL_RPP_TESTS_VLLM: the suite's subprocesses see vLLM only when asked (tests/harness)
 VLLM_ENV = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TRL_RPP_TESTS_VLLM="1")
 ENV = dict(HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", **VLLM_ENV)
-
-
-@pytest.fixture(scope="module")
-def vllm_model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("vllm") / "model", hidden_size=128, num_heads=2)
 
 
 def load_results(outdir, ranks=(0,)):
@@ -454,58 +446,10 @@ def test_two_processes_normalize_over_the_union_of_their_completions(ddp, case):
 # --- vLLM's own server on localhost -----------------------------------------------------------------------------
 
 
-def documented_server_command(model, port):
-    """docs/vllm.md's CPU server command, its one `trl-rpp vllm-serve` (tests/test_distributed_docs.py parses it), as
-    written but for the model and the port, this module's; `trl-rpp` is the console script of this environment."""
-    from test_distributed_docs import doc_commands
-
-    (command,) = [c for c in doc_commands((Path(HERE).parent / "docs" / "vllm.md",)) if "trl-rpp vllm-serve" in c]
-    argv = shlex.split(command)
-    assert argv[:2] == ["trl-rpp", "vllm-serve"], command
-    for flag, value in (("--model", model), ("--port", str(port))):
-        argv[argv.index(flag) + 1] = value
-    script = Path(sys.executable).with_name("trl-rpp")
-    assert script.is_file(), f"{script}: the console script of `pip install -e .`"
-    return [str(script), *argv[1:]]
-
-
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory, vllm_model):
-    """vLLM's server on localhost, started by the command docs/vllm.md gives for a CPU machine (`trl-rpp
-    vllm-serve`: dev mode, float32, processed (post-temperature) log-probs, no cap on their number, a KV cache of
-    1 GiB), in an environment that sets none of that itself. `server_command` is the vLLM command it runs, which
-    the restart case starts again, with and without dev mode; `server_log`, its output."""
-    from trl.generation.vllm_client import VLLMClient
-
-    from trl_rpp.serve import parse, server
-
-    port = free_port()
-    cmd = documented_server_command(vllm_model, port)
-    opts, extra = parse(cmd[2:], cuda=False)
-    env = {k: v for k, v in dict(os.environ, **ENV).items() if k not in ("VLLM_SERVER_DEV_MODE",
-                                                                          "VLLM_CPU_KVCACHE_SPACE")}
-    # Its log goes to a file: a pipe nobody reads fills up over the module's requests, and the server then blocks.
-    log = open(tmp_path_factory.mktemp("vllm_server_log") / "server.log", "w+")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        client = VLLMClient(base_url=f"http://127.0.0.1:{port}", connection_timeout=300)
-        # for the tests that stop or restart it, and read what it printed
-        client.server_process, client.server_command = proc, server(opts, extra, cuda=False).argv
-        client.server_log = log.name
-        yield client
-    except Exception as e:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        log.seek(0)
-        pytest.fail(f"trl-rpp vllm-serve did not come up: {e}\n{log.read()[-3000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+# `vllm_server` (tests/conftest.py): the test run's one server for `vllm_model`, started by docs/vllm.md's CPU command
+# (`trl-rpp vllm-serve`: dev mode, float32, processed log-probs, no cap on their number, a KV cache of 1 GiB) in an
+# environment that sets none of that itself (tests/support/servers.py), and reset to the checkpoint's weights for
+# each test. The restart test kills it, so it comes last.
 
 
 def test_the_documented_server_command_prints_the_trainers_settings_and_serves_them(vllm_server):
@@ -524,6 +468,37 @@ def test_the_documented_server_command_prints_the_trainers_settings_and_serves_t
     assert (model["dtype"], model["logprobs_mode"], model["max_logprobs"]) == ("torch.float32", "processed_logprobs",
                                                                                 -1)
     assert info["weight_transfer_config"] is None
+
+
+def test_a_reset_shared_server_answers_as_a_fresh_one(vllm_server, vllm_model, tmp_path):
+    """The shared server, given other weights (the checkpoint's plus noise, through the disk sync's own call) and
+    then reset for the next test (`SharedServer.reset`), answers exactly as it did when it started, before any test
+    touched it: the same prompt log-probs, the same seeded sample, the same log-probs of it and the same 5 most
+    probable tokens at every position. The perturbed weights answer differently (by more than 1e-3), so a reset that
+    did nothing would fail here."""
+    import requests
+    from transformers import AutoModelForCausalLM
+
+    from servers import answers
+
+    shared = vllm_server.shared
+    assert answers(vllm_server.base_url) == shared.fresh  # this test's own reset, at setup
+    model = AutoModelForCausalLM.from_pretrained(vllm_model, torch_dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    model.save_pretrained(tmp_path / "perturbed")
+    reload = requests.post(f"{vllm_server.base_url}/collective_rpc", timeout=120,
+                           json={"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "perturbed")}})
+    reload.raise_for_status()
+    requests.post(f"{vllm_server.base_url}/reset_prefix_cache", timeout=60).raise_for_status()
+    perturbed = answers(vllm_server.base_url)
+    moved = max(abs(a - b) for a, b in zip(perturbed["prompt_logprobs"], shared.fresh["prompt_logprobs"]))
+    assert moved > 1e-3, moved
+    shared.reset()
+    assert answers(vllm_server.base_url) == shared.fresh
+    print(f"\nperturbed weights moved the prompt log-probs by {moved:.3g}; reset, the server answers as when fresh")
 
 
 def test_a_cpu_trainer_left_at_the_nccl_transport_is_told_to_use_the_disk_transport(vllm_server, tmp_path):
