@@ -44,13 +44,11 @@ import math
 import os
 import random
 import re
-import resource
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run_table, study_common, when imported elsewhere
 import run_table  # noqa: E402
-from study_common import run_jobs, t_quantile, welch_interval  # noqa: E402
+from study_common import process_facts, run_jobs, step_clock, t_quantile, welch_interval, write_summary  # noqa: E402
 
 ARMS = ("rpp", "rpp_baseline", "grpo", "grpo_noscale")
 # Second table: REINFORCE++-baseline under an induced sampler mismatch, with each correction (see `mismatch_trainer`).
@@ -247,7 +245,7 @@ def run_one(arm, seed, opts):
     import demo  # the main job's reward and greedy evaluation
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_rpp import RPPConfig, RPPTrainer
@@ -312,19 +310,8 @@ def run_one(arm, seed, opts):
                        heldout_ood_prob=answer_probability(trainer.model, tokenizer, ood))
         return out
 
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.times, self._t, self.curve = [], None, []
-
-        def on_step_begin(self, *a, **k):
-            self._t = time.perf_counter()
-
-        def on_step_end(self, args, state, *a, **k):
-            self.times.append(time.perf_counter() - self._t)
-            if opts.tiny and opts.eval_every and state.global_step % opts.eval_every == 0:
-                self.curve.append([state.global_step, answer_probability(trainer.model, tokenizer, heldout)])
-
-    clock = StepClock()
+    clock = step_clock(lambda step: answer_probability(trainer.model, tokenizer, heldout),
+                       opts.eval_every if opts.tiny else 0)
     lora = None if opts.full_finetune else LoraConfig(
         r=16, lora_alpha=32, lora_dropout=0.0, target_modules=target_modules, task_type="CAUSAL_LM"
     )
@@ -343,13 +330,10 @@ def run_one(arm, seed, opts):
     summary = dict(
         arm=arm, seed=seed, heldout_before=before.pop("heldout"), heldout_after=after.pop("heldout"),
         **{f"{k}_before": v for k, v in before.items()}, **{f"{k}_after": v for k, v in after.items()},
-        heldout_prob_curve=clock.curve, step_seconds=clock.times,
-        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, threads=opts.threads,
-        cpu_seconds=time.process_time(), settings={k: getattr(opts, k) for k in RUN_SETTINGS},
+        heldout_prob_curve=clock.curve, step_seconds=clock.times, **process_facts(opts.threads),
+        settings={k: getattr(opts, k) for k in RUN_SETTINGS},
     )
-    with open(os.path.join(outdir, "summary.json"), "w") as f:  # written last: marks the run as done
-        json.dump(summary, f, indent=2)
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("step_seconds", "heldout_prob_curve")}), flush=True)
+    write_summary(outdir, summary, long_keys=("step_seconds", "heldout_prob_curve"), indent=2)
 
 
 def sweep(conditions, jobs):

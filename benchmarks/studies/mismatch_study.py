@@ -60,21 +60,14 @@ import math
 import os
 import random
 import re
-import resource
 import sys
-import time
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run_table, when imported from elsewhere
 import run_table  # noqa: E402
 from study_common import (  # noqa: E402
-    contrast,
-    fmt_contrast,
-    fmt_interval,
-    mean_ci,
-    pending_runs,
-    run_jobs,
-    t_quantile,
+    contrast, fmt_contrast, fmt_interval, mean_ci, pending_runs, process_facts, run_curves, run_jobs, step_clock,
+    t_quantile, write_summary,
 )
 
 RESULTS = "benchmarks/results/mismatch_study"
@@ -129,6 +122,25 @@ def copy_rows(n: int, seed: int, lengths=LENGTHS):
         word = "".join(rng.choice(TASK_LETTERS) for _ in range(rng.choice(lengths)))
         rows.append({"prompt": word + ":", "answer": word})
     return rows
+
+
+def copy_task_data(opts, seed: int):
+    """One run's copy-task data: 4000 training rows drawn with ``seed + 1``, ``opts.heldout`` held-out rows (the same
+    for every run), at prompt lengths ``opts.lengths``, and the completion length that scores them."""
+    lengths = tuple(opts.lengths)
+    max_new = max(lengths)  # what follows the answer is not scored
+    return copy_rows(4000, seed + 1, lengths), copy_rows(opts.heldout, 10_000, lengths), max_new
+
+
+def add_copy_task_flags(ap, steps: int, lr: float, lengths=LENGTHS) -> None:
+    """The flags of one copy-task run that the studies of it share, with their defaults."""
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--lengths", default=",".join(map(str, lengths)), help="prompt lengths, drawn uniformly")
+    ap.add_argument("--heldout", type=int, default=128)
+    ap.add_argument("--eval_every", type=int, default=10)
 
 
 def copy_credit_reward(completions, answer, **kwargs):
@@ -418,7 +430,7 @@ def run_one(condition: str, arm: str, seed: int, opts):
     """Train one (condition, arm, seed) in this process; write `<out>/<condition>/<arm>/seed<k>/summary.json`."""
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     from trl_rpp import RPPConfig, RPPTrainer
     from trl_rpp.testing.tiny import build_tiny_model
@@ -431,9 +443,7 @@ def run_one(condition: str, arm: str, seed: int, opts):
     os.makedirs(outdir, exist_ok=True)
     path = build_tiny_model(os.path.join(opts.out, "tiny-model"))  # built by `sweep` before its jobs start
     tokenizer = AutoTokenizer.from_pretrained(path)
-    lengths = tuple(opts.lengths)
-    train, heldout = copy_rows(4000, seed + 1, lengths), copy_rows(opts.heldout, 10_000, lengths)
-    max_new = max(lengths)  # what follows the answer is not scored
+    train, heldout, max_new = copy_task_data(opts, seed)
     sampler = Sampler(condition, in_trainer=arm == "onpolicy")
     sc = arm.startswith("sc")
     args = RPPConfig(
@@ -452,19 +462,7 @@ def run_one(condition: str, arm: str, seed: int, opts):
         # With `onpolicy` the trainer's own output layer adds the bias, and `module` is the trainer.
         return dict(copy_prob=copy_prob(model, tokenizer, heldout), sampler_copy_prob=copy_prob(module, tokenizer, heldout, bias))
 
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.times, self._t, self.curve = [], None, []
-
-        def on_step_begin(self, *a, **k):
-            self._t = time.perf_counter()
-
-        def on_step_end(self, args, state, *a, **k):
-            self.times.append(time.perf_counter() - self._t)
-            if opts.eval_every and state.global_step % opts.eval_every == 0:
-                self.curve.append([state.global_step, evaluate(state.global_step)])
-
-    clock = Clock()
+    clock = step_clock(evaluate, opts.eval_every)
     trainer = trainer_cls(model=path, reward_funcs=copy_credit_reward, args=args, train_dataset=Dataset.from_list(train),
                           processing_class=tokenizer, callbacks=[clock])
     before = evaluate(0)
@@ -472,10 +470,7 @@ def run_one(condition: str, arm: str, seed: int, opts):
     after = evaluate(opts.steps)
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     after["greedy_credit"] = greedy_credit(model, tokenizer, heldout, max_new)
-    curves = {key: [[0, before[key]]] + [[s, e[key]] for s, e in clock.curve] for key in before}
-    for key, curve in curves.items():
-        if curve[-1][0] != opts.steps:
-            curve.append([opts.steps, after[key]])
+    curves = run_curves(before, clock.curve, after, opts.steps)
     history = [h for h in trainer.state.log_history if "reward" in h]
     summary = dict(
         condition=condition, arm=arm, seed=seed,
@@ -483,14 +478,10 @@ def run_one(condition: str, arm: str, seed: int, opts):
         **{f"{k}_area": curve_area(c) for k, c in curves.items()},
         curves={k: [[s, _round(y)] for s, y in c] for k, c in curves.items()},
         series={k: [_round(h.get(k)) for h in history] for k in SERIES_KEYS if any(k in h for h in history)},
-        step_seconds=[_round(t) for t in clock.times], threads=opts.threads, cpu_seconds=time.process_time(),
-        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        step_seconds=[_round(t) for t in clock.times], **process_facts(opts.threads),
         settings={k: getattr(opts, k) for k in RUN_SETTINGS},
     )
-    with open(os.path.join(outdir, "summary.json"), "w") as f:  # written last: marks the run as done
-        json.dump(summary, f)  # one line: about 18 kB per run (300 steps)
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("curves", "series", "step_seconds")}), flush=True)
-    return summary
+    return write_summary(outdir, summary)  # one line: about 18 kB per run (300 steps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -719,13 +710,7 @@ def main():
     ap.add_argument("--arms", default=",".join(ALL_ARMS),
                     help=f"accepted: {', '.join(ALL_ARMS)}; a bias condition runs only {', '.join(BIAS_ARMS)}")
     ap.add_argument("--seeds", default=",".join(map(str, range(20))))
-    ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--generations", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=LR)
-    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths, drawn uniformly")
-    ap.add_argument("--heldout", type=int, default=128)
-    ap.add_argument("--eval_every", type=int, default=10)
+    add_copy_task_flags(ap, STEPS, LR, LENGTHS)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--run", nargs=3, metavar=("CONDITION", "ARM", "SEED"), default=None, help="internal: one run")

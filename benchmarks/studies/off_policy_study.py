@@ -60,10 +60,8 @@ repository.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -73,25 +71,13 @@ T0 = time.perf_counter()  # the process's start, near enough: a run's wall time 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # mismatch_study, when imported from elsewhere
 
-import run_table  # noqa: E402
 from study_common import (  # noqa: E402
-    contrast_table,
-    dispatch,
-    mean_ci,
-    pending_runs,
-    run_jobs,
-    runs_by_arm,
-    split_lists,
-    write_report,
+    contrast_table, load_arm_runs, mean_ci, pending_runs, process_facts, run_curves, run_jobs, step_clock,
+    study_main, write_report, write_summary,
 )
 from mismatch_study import (  # noqa: E402
+    _round, add_copy_task_flags, copy_credit_reward, copy_prob, copy_task_data, curve_area, greedy_credit,
     IS_CLIP_MAX,
-    _round,
-    copy_credit_reward,
-    copy_prob,
-    copy_rows,
-    curve_area,
-    greedy_credit,
 )
 
 from trl_rpp.testing.vllm_server import free_port, server_command, start_server, stop_server  # noqa: E402
@@ -186,7 +172,7 @@ def run_one(arm: str, seed: int, opts):
     `<out>/<arm>/seed<k>/summary.json`."""
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     from trl_rpp import RPPConfig, RPPTrainer
 
@@ -199,9 +185,7 @@ def run_one(arm: str, seed: int, opts):
     os.makedirs(outdir, exist_ok=True)
     path = model_path(opts.out)  # built by `sweep` before the server starts
     tokenizer = AutoTokenizer.from_pretrained(path)
-    lengths = tuple(opts.lengths)
-    train, heldout = copy_rows(4000, seed + 1, lengths), copy_rows(opts.heldout, 10_000, lengths)
-    max_new = max(lengths)  # what follows the answer is not scored
+    train, heldout, max_new = copy_task_data(opts, seed)
     args = RPPConfig(
         output_dir=outdir, use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=seed,
         per_device_train_batch_size=opts.prompts * opts.generations, num_generations=opts.generations,
@@ -217,19 +201,7 @@ def run_one(arm: str, seed: int, opts):
     def evaluate():
         return dict(copy_prob=copy_prob(trainer.accelerator.unwrap_model(trainer.model_wrapped), tokenizer, heldout))
 
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.times, self._t, self.curve = [], None, []
-
-        def on_step_begin(self, *a, **k):
-            self._t = time.perf_counter()
-
-        def on_step_end(self, args, state, *a, **k):
-            self.times.append(time.perf_counter() - self._t)
-            if opts.eval_every and state.global_step % opts.eval_every == 0:
-                self.curve.append([state.global_step, evaluate()])
-
-    clock = Clock()
+    clock = step_clock(lambda step: evaluate(), opts.eval_every)
     trainer = ratio_logged(RPPTrainer)(
         model=path, reward_funcs=copy_credit_reward, args=args, train_dataset=Dataset.from_list(train),
         processing_class=tokenizer, callbacks=[clock])
@@ -240,10 +212,7 @@ def run_one(arm: str, seed: int, opts):
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     after = evaluate()
     after["greedy_credit"] = greedy_credit(model, tokenizer, heldout, max_new)
-    curves = {key: [[0, before[key]]] + [[s, e[key]] for s, e in clock.curve] for key in before}
-    for key, curve in curves.items():
-        if curve[-1][0] != opts.steps:
-            curve.append([opts.steps, after[key]])
+    curves = run_curves(before, clock.curve, after, opts.steps)
     history = [h for h in trainer.state.log_history if "reward" in h]
     series = {k: [h.get(k) for h in history] for k in SERIES_KEYS if any(k in h for h in history)}
     summary = dict(
@@ -259,15 +228,11 @@ def run_one(arm: str, seed: int, opts):
                                               "sampling/staleness") if k in series},
         curves={k: [[s, _round(y)] for s, y in c] for k, c in curves.items()},
         series={k: [_round(v) for v in vs] for k, vs in series.items()},
-        step_seconds=[_round(t) for t in clock.times], threads=opts.threads, cpu_seconds=time.process_time(),
+        step_seconds=[_round(t) for t in clock.times], **process_facts(opts.threads),
         train_seconds=train_seconds, wall_seconds=time.perf_counter() - T0,
-        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         settings={k: getattr(opts, k) for k in RUN_SETTINGS},
     )
-    with open(os.path.join(outdir, "summary.json"), "w") as f:  # written last: marks the run as done
-        json.dump(summary, f)
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("curves", "series", "step_seconds")}), flush=True)
-    return summary
+    return write_summary(outdir, summary)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -338,17 +303,6 @@ IS_ROWS = (("sampling/staleness", "staleness, generation batches (mean over all 
            ("sampling/sampling_logp_difference/max", "TRL: sampling_logp_difference/max"))
 
 
-def read_run(where):
-    summary = json.load(open(os.path.join(where, "summary.json")))
-    return {k: summary[k] for k in KEPT}
-
-
-def load_runs(root):
-    """Per arm, the records of its runs: from the runs' summary.json files when there are any (also written to
-    `<root>/runs.parquet`), else from that table."""
-    return runs_by_arm(run_table.Runs(run_table.load(root, run_table.raw_runs(root, read_run))), ARMS)
-
-
 def _stat_of(run, key):
     return run.get("staleness_mean") if key == "sampling/staleness" else run.get("is_stats", {}).get(key)
 
@@ -364,7 +318,7 @@ def _fmt_stat(values):
 def report(opts):
     """`<out>/report.md` and `report.json`: per arm, each metric's mean [95% t] and the ratio statistics; per
     pre-registered contrast, Welch's unpaired 95% interval and a permutation p."""
-    runs = load_runs(opts.out)
+    runs = load_arm_runs(opts.out, KEPT, ARMS)
     rows = {}
     lines = ["### Off-policy study: one generation batch of staleness through a vLLM server", "",
              "Held-out copy probability (teacher-forced, per position, exact) of the trained model, mean [95% t "
@@ -402,21 +356,11 @@ def main():
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--arms", default=",".join(ARMS), help=f"accepted: {', '.join(ARMS)}")
     ap.add_argument("--seeds", default=",".join(map(str, range(5))))
-    ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--generations", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=LR)
-    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths, drawn uniformly")
-    ap.add_argument("--heldout", type=int, default=128)
-    ap.add_argument("--eval_every", type=int, default=10)
+    add_copy_task_flags(ap, STEPS, LR, LENGTHS)
     ap.add_argument("--threads", type=int, default=1, help="the trainer's torch threads (the server has its own)")
     ap.add_argument("--server_url", default=None, help="internal (--run): the server the sweep started")
     ap.add_argument("--weight_dir", default=None, help="internal (--run): the server's weight directory")
-    ap.add_argument("--run", nargs=2, metavar=("ARM", "SEED"), default=None, help="internal: one run")
-    ap.add_argument("--report", action="store_true")
-    opts = ap.parse_args()
-    split_lists(opts, ARMS)
-    dispatch(opts, run_one, sweep, report)
+    study_main(ap, ARMS, run_one, sweep, report)
 
 
 if __name__ == "__main__":

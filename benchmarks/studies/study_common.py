@@ -1,6 +1,7 @@
 """What the studies share: the statistics of their reports (Student's t quantile, Welch's unpaired interval, a
-permutation p), the sweep that runs each (arm, seed) in a subprocess of its own, and the parts every report writes
-(the per-arm rows, the contrast table, report.md and report.json).
+permutation p), the sweep that runs each (arm, seed) in a subprocess of its own, what each run records (its step
+clock, its curves, its summary.json), and the parts every report writes (the per-arm rows, the contrast table,
+report.md and report.json).
 
 The studies import it from this folder (each puts benchmarks/studies/ on `sys.path`)."""
 
@@ -213,8 +214,74 @@ def run_jobs(todo, jobs: int):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# One run
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def step_clock(evaluate=None, eval_every: int = 0):
+    """A `TrainerCallback` that keeps each optimizer step's wall seconds in ``.times`` and, every `eval_every` steps
+    (0: never), ``[step, evaluate(step)]`` in ``.curve``."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.times, self._t, self.curve = [], None, []
+
+        def on_step_begin(self, *a, **k):
+            self._t = time.perf_counter()
+
+        def on_step_end(self, args, state, *a, **k):
+            self.times.append(time.perf_counter() - self._t)
+            if eval_every and state.global_step % eval_every == 0:
+                self.curve.append([state.global_step, evaluate(state.global_step)])
+
+    return StepClock()
+
+
+def run_curves(before: dict, curve, after: dict, steps: int) -> dict:
+    """``{key: [[step, value], ...]}`` of each key of `before`: step 0's value, those of `curve` (a `step_clock`'s,
+    whose values are dicts like `before`), and `after` at step `steps` unless the curve ends there."""
+    curves = {key: [[0, before[key]]] + [[s, e[key]] for s, e in curve] for key in before}
+    for key, points in curves.items():
+        if points[-1][0] != steps:
+            points.append([steps, after[key]])
+    return curves
+
+
+def process_facts(threads: int) -> dict:
+    """What a run's summary says of its process: its torch threads, CPU seconds and peak resident memory (MiB)."""
+    import resource
+
+    return dict(threads=threads, cpu_seconds=time.process_time(),
+                peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def write_summary(outdir: str, summary: dict, long_keys=("curves", "series", "step_seconds"), indent=None) -> dict:
+    """``<outdir>/summary.json``, written last (it marks the run as done), and one printed line of its short
+    entries (all but `long_keys`)."""
+    with open(os.path.join(outdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=indent)
+    print(json.dumps({k: v for k, v in summary.items() if k not in long_keys}), flush=True)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The report
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def load_arm_runs(root: str, kept, arms) -> dict:
+    """Per arm of `arms`, the records (the `kept` entries of each summary.json) of the runs ``<root>/<arm>/seed<k>``:
+    from the runs' summary.json files when there are any (also written to ``<root>/runs.parquet``), else from that
+    table (`run_table`)."""
+    import run_table
+
+    def read_run(where):
+        with open(os.path.join(where, "summary.json")) as f:
+            summary = json.load(f)
+        return {k: summary[k] for k in kept}
+
+    return runs_by_arm(run_table.Runs(run_table.load(root, run_table.raw_runs(root, read_run))), arms)
 
 
 def runs_by_arm(records, arms) -> dict:
@@ -259,6 +326,16 @@ def split_lists(opts, arms) -> None:
     for arm in opts.arms + ([opts.run[0]] if opts.run else []):
         if arm not in arms:
             raise ValueError(f"--arms: unknown arm {arm!r}; accepted: {', '.join(arms)}")
+
+
+def study_main(ap, arms, run_one, sweep, report) -> None:
+    """Add ``--run ARM SEED`` and ``--report`` to the study's parser `ap`, parse the command line (`split_lists`,
+    with the study's `arms`) and `dispatch`."""
+    ap.add_argument("--run", nargs=2, metavar=("ARM", "SEED"), default=None, help="internal: one run")
+    ap.add_argument("--report", action="store_true")
+    opts = ap.parse_args()
+    split_lists(opts, arms)
+    dispatch(opts, run_one, sweep, report)
 
 
 def dispatch(opts, run_one, sweep, report) -> None:
