@@ -171,9 +171,8 @@ def _shared_server(tmp_path_factory, model, name):
     from servers import ServerStartError, SharedServer
 
     log = tmp_path_factory.mktemp(name) / "server.log"
-    env = dict(HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
     try:
-        server = SharedServer(model, log, env)
+        server = SharedServer(model, log)
     except ServerStartError as err:
         with open(log) as f:
             pytest.fail(f"trl-rpp vllm-serve did not come up: {err}\n{f.read()[-3000:]}")

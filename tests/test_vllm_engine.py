@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from reference import ref_global_masked_normalize, ref_group_mean_advantages, ref_reinforce_pp_returns
+from servers import ENV, VLLM_ENV  # launch() adds the rest of ENV
 from test_engines import launch
 from trainer_helpers import IS_MODES, IS_STEPS_PER_MODE
 from trl_rpp.records.settings import record_width
@@ -36,9 +37,6 @@ MIN_MOVE = 0.1  # the probe's log-probs move at least this much over a run (asse
 RUN_TIMEOUT_S = 900  # one process running every single-process case; a hang fails instead of blocking CI
 K = 32
 REWARD_WEIGHTS = (1.0, 0.5)
-# launch() adds the rest; TRL_RPP_TESTS_VLLM: the suite's subprocesses see vLLM only when asked (tests/harness)
-VLLM_ENV = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TRL_RPP_TESTS_VLLM="1")
-ENV = dict(HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", **VLLM_ENV)
 
 
 def load_results(outdir, ranks=(0,)):
@@ -476,7 +474,6 @@ def test_a_reset_shared_server_answers_as_a_fresh_one(vllm_server, vllm_model, t
     touched it: the same prompt log-probs, the same seeded sample, the same log-probs of it and the same 5 most
     probable tokens at every position. The perturbed weights answer differently (by more than 1e-3), so a reset that
     did nothing would fail here."""
-    import requests
     from transformers import AutoModelForCausalLM
 
     from servers import answers
@@ -489,10 +486,7 @@ def test_a_reset_shared_server_answers_as_a_fresh_one(vllm_server, vllm_model, t
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=generator))
     model.save_pretrained(tmp_path / "perturbed")
-    reload = requests.post(f"{vllm_server.base_url}/collective_rpc", timeout=120,
-                           json={"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "perturbed")}})
-    reload.raise_for_status()
-    requests.post(f"{vllm_server.base_url}/reset_prefix_cache", timeout=60).raise_for_status()
+    shared.load(tmp_path / "perturbed")
     perturbed = answers(vllm_server.base_url)
     moved = max(abs(a - b) for a, b in zip(perturbed["prompt_logprobs"], shared.fresh["prompt_logprobs"]))
     assert moved > 1e-3, moved

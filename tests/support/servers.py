@@ -26,8 +26,11 @@ import requests
 from trl_rpp.testing.vllm_server import ServerStartError, free_port, start_server, stop_server
 
 REPO = Path(__file__).resolve().parents[2]
-# The suite's subprocesses see vLLM only when asked (tests/harness); no usage report leaves the machine.
-SERVER_ENV = dict(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TRL_RPP_TESTS_VLLM="1")
+# What the suite's vLLM processes (servers, and trainers with an engine) add to their environment: a KV cache of
+# 1 GiB, no usage report leaving the machine, and TRL_RPP_TESTS_VLLM (the suite's subprocesses see vLLM only when
+# asked: tests/harness). `ENV` adds what CI's environment sets (.ci/run).
+VLLM_ENV = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TRL_RPP_TESTS_VLLM="1")
+ENV = dict(HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", **VLLM_ENV)
 # A prompt and a sequence whose answers `answers` reads: prompt log-probs (no sampling), and a seeded sample.
 PROBE_IDS = [3, 4, 5, 6, 7, 8, 9, 10]
 
@@ -47,20 +50,32 @@ def documented_server_command(model, port):
     return [str(script), *argv[1:]]
 
 
-def answers(url: str, ids=PROBE_IDS) -> dict:
-    """What the server answers now for a fixed input: the log-probs of ``ids[1:]`` after ``ids[:i]`` (prompt
-    log-probs at temperature 1), and 8 tokens sampled after ``ids`` with seed 0 at temperature 1, with their
-    log-probs and each position's 5 most probable tokens."""
+def complete(url: str, ids, **params) -> dict:
+    """The server's one choice for the prompt `ids` at temperature 1 (`params`: more of /v1/completions' fields),
+    with its prompt log-probs."""
     model = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     answer = requests.post(f"{url}/v1/completions", timeout=60, json={
-        "model": model, "prompt": [ids], "max_tokens": 8, "temperature": 1.0, "seed": 0, "logprobs": 5,
-        "prompt_logprobs": 0, "ignore_eos": True})
+        "model": model, "prompt": [ids], "temperature": 1.0, "prompt_logprobs": 0, **params})
     answer.raise_for_status()
-    choice = answer.json()["choices"][0]
-    prompt = [choice["prompt_logprobs"][i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
+    return answer.json()["choices"][0]
+
+
+def server_logps(url: str, ids) -> list[float]:
+    """The server's log-probs of ``ids[1:]``, each after the ids before it (its prompt log-probs at temperature 1)."""
+    return prompt_logps(complete(url, ids, max_tokens=1), ids)
+
+
+def prompt_logps(choice: dict, ids) -> list[float]:
+    return [choice["prompt_logprobs"][i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
+
+
+def answers(url: str, ids=PROBE_IDS) -> dict:
+    """What the server answers now for a fixed input: `server_logps` of `ids`, and 8 tokens sampled after ``ids``
+    with seed 0 at temperature 1, with their log-probs and each position's 5 most probable tokens."""
+    choice = complete(url, ids, max_tokens=8, seed=0, logprobs=5, ignore_eos=True)
     lp = choice["logprobs"]
-    return {"prompt_logprobs": prompt, "tokens": lp["tokens"], "token_logprobs": lp["token_logprobs"],
-            "top_logprobs": lp["top_logprobs"]}
+    return {"prompt_logprobs": prompt_logps(choice, ids), "tokens": lp["tokens"],
+            "token_logprobs": lp["token_logprobs"], "top_logprobs": lp["top_logprobs"]}
 
 
 class SharedServer:
@@ -68,7 +83,7 @@ class SharedServer:
     `server_command` (the vLLM command `trl-rpp vllm-serve` runs, which tests/support/vllm_server_script.py's restart
     case starts again), `server_log`, `start_seconds`, and `fresh`: `answers` before any test used it."""
 
-    def __init__(self, model: str, log_path, env: dict):
+    def __init__(self, model: str, log_path):
         from trl_rpp.serve import parse, server
 
         self.model, self.server_log = str(model), str(log_path)
@@ -77,7 +92,7 @@ class SharedServer:
         opts, extra = parse(cmd[2:], cuda=False)
         self.server_command = server(opts, extra, cuda=False).argv
         self.base_url = f"http://127.0.0.1:{port}"
-        env = {k: v for k, v in dict(os.environ, **env, **SERVER_ENV).items()
+        env = {k: v for k, v in dict(os.environ, **ENV).items()
                if k not in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE")}  # `trl-rpp vllm-serve` sets them
         start = time.perf_counter()
         self._log = open(self.server_log, "w")
@@ -85,13 +100,17 @@ class SharedServer:
         self.start_seconds = time.perf_counter() - start
         self.fresh = answers(self.base_url)
 
-    def reset(self) -> None:
-        """Back to the checkpoint's weights, prefix cache dropped: what a fresh server holds."""
+    def load(self, weights_path) -> None:
+        """The weights of the checkpoint at `weights_path` (the disk sync's call), prefix cache dropped."""
         rpc = requests.post(f"{self.base_url}/collective_rpc", timeout=120,
-                            json={"method": "reload_weights", "kwargs": {"weights_path": self.model}})
+                            json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}})
         rpc.raise_for_status()
         dropped = requests.post(f"{self.base_url}/reset_prefix_cache", timeout=60)
         dropped.raise_for_status()
+
+    def reset(self) -> None:
+        """Back to the checkpoint's weights, prefix cache dropped: what a fresh server holds."""
+        self.load(self.model)
 
     def client(self):
         """TRL's client of this server, `reset` first; `server_process`, `server_command`, `server_log` and `shared`
@@ -121,4 +140,5 @@ class SharedServer:
             return f.read()[-chars:]
 
 
-__all__ = ["SharedServer", "ServerStartError", "answers", "documented_server_command"]
+__all__ = ["ENV", "VLLM_ENV", "SharedServer", "ServerStartError", "answers", "complete", "documented_server_command",
+           "server_logps"]

@@ -34,21 +34,12 @@ from transformers import TrainerCallback  # noqa: E402
 import vllm_engine_script as colocated  # noqa: E402
 from trainer_helpers import LAUNCH_ENV, finish_launched, launch_command, length_reward  # noqa: E402
 from vllm_engine_script import PROBE_TEXT, ProbingTrainer, policy_logps, tensors_to_lists  # noqa: E402
+from servers import server_logps  # noqa: E402
 from trl_rpp.records.generation import current_record  # noqa: E402
 
 DDP_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
                           "accelerate_configs", "ddp.yaml")
 REFUSED_TIMEOUT_S = 240  # a process left waiting at a collective fails the test instead of blocking CI
-
-
-def server_logps(url, ids):
-    """The server's log-probs of ``ids[1:]`` (its prompt log-probs at temperature 1)."""
-    model = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    answer = requests.post(f"{url}/v1/completions", timeout=60, json={
-        "model": model, "prompt": [ids], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0})
-    answer.raise_for_status()
-    entries = answer.json()["choices"][0]["prompt_logprobs"]
-    return [entries[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
 
 
 class ServerProbingTrainer(ProbingTrainer):
