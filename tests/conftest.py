@@ -108,6 +108,33 @@ def tiny_model(tmp_path_factory):
     return shared_build(tmp_path_factory, "tiny_model", build_tiny_model)
 
 
+@pytest.fixture(scope="session")
+def uninterrupted_run(tmp_path_factory, tiny_model):
+    """``uninterrupted_run(estimator, steps_per_generation)``: the log_history.json of tests/support/resume_script.py
+    trained on `tiny_model` to its end with nothing stopping it, run once per session for all workers: the reference
+    that test_resume.py's killed runs and test_preemption.py's stopped runs (estimator reinforce_plus_plus,
+    steps_per_generation=2: the same run) each resume to."""
+    import json
+    import subprocess
+
+    script = os.path.join(SUPPORT, "resume_script.py")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+
+    def run(estimator, steps_per_generation):
+        def build(path):
+            history = path / "log_history.json"
+            if not history.exists():
+                subprocess.run([sys.executable, script, "--model", tiny_model, "--output_dir", str(path), "--estimator",
+                                estimator, "--steps_per_generation", str(steps_per_generation)],
+                               env=env, check=True, capture_output=True, timeout=900)
+            with open(history) as f:
+                return json.load(f)
+
+        return shared_build(tmp_path_factory, f"uninterrupted_{estimator}_spg{steps_per_generation}", build)
+
+    return run
+
+
 def _build_eos_model(path):
     from trainer_helpers import train_eos_after_a
     from trl_rpp.testing.tiny import build_tiny_model

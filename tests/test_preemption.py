@@ -112,12 +112,9 @@ def model(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def reference(model, tmp_path_factory):
-    full = str(tmp_path_factory.mktemp("preempt_full"))
-    subprocess.run(command("--model", model, "--output_dir", full, *SPG), env=ENV, check=True, capture_output=True,
-                   timeout=900)
-    with open(os.path.join(full, "log_history.json")) as f:
-        run = json.load(f)
+def reference(uninterrupted_run):
+    """resume_script.py's run with `SPG` (and its default estimator), which test_resume.py resumes to as well."""
+    run = uninterrupted_run("reinforce_plus_plus", 2)
     assert run["steps_run_here"] == [1, 3, 5, 7]
     return run
 

@@ -32,15 +32,15 @@ def per_step(log_history):
     "estimator,steps_per_generation",
     [("reinforce_plus_plus", 1), ("reinforce_plus_plus_baseline", 1), ("reinforce_plus_plus", 2)],
 )
-def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, tiny_model, estimator, steps_per_generation):
+def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, tiny_model, uninterrupted_run, estimator,
+                                                           steps_per_generation):
     """With steps_per_generation=2 the checkpoint at step 3 falls inside a generation batch (steps 3-4 share one):
-    the batch is saved with the checkpoint and step 4 trains on it after the resume, as it would have."""
+    the batch is saved with the checkpoint and step 4 trains on it after the resume, as it would have. The
+    uninterrupted run is tests/conftest.py's `uninterrupted_run`, shared with test_preemption.py."""
     model = tiny_model
-    full, broken = str(tmp_path / "full"), str(tmp_path / "broken")
+    broken = str(tmp_path / "broken")
     spg = ("--steps_per_generation", str(steps_per_generation))
     os.makedirs(broken)
-    subprocess.run(script("--model", model, "--output_dir", full, "--estimator", estimator, *spg), env=ENV, check=True,
-                   capture_output=True, timeout=600)
 
     proc = subprocess.Popen(script("--model", model, "--output_dir", broken, "--estimator", estimator, "--hang_at", "5", *spg),
                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -58,7 +58,7 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, tiny_model
                          env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     resumed_run = json.load(open(os.path.join(broken, "log_history.json")))
-    reference_run = json.load(open(os.path.join(full, "log_history.json")))
+    reference_run = uninterrupted_run(estimator, steps_per_generation)
     # Reward calls happen once per generation: every step, or steps 1, 3, 5, 7 with steps_per_generation=2.
     generated = list(range(1, 9, steps_per_generation))
     assert reference_run["steps_run_here"] == generated
