@@ -35,6 +35,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HARNESS, os.environ.get("
 _spec = importlib.util.spec_from_file_location("harness", os.path.join(HARNESS, "sitecustomize.py"))
 harness = sys.modules["harness"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(harness)  # installs the guard
+# tests/support/warm.py: the suite's training subprocesses start from interpreters that have imported torch,
+# transformers and TRL (zygotes). Made by the first pytest process (xdist's controller), inherited by its workers;
+# its zygotes stop when that process ends (`pytest_unconfigure`), so none outlives the code it imported.
+_OWNS_WARM_DIR = "TRL_RPP_WARM_DIR" not in os.environ
+if _OWNS_WARM_DIR:
+    os.environ["TRL_RPP_WARM_DIR"] = tempfile.mkdtemp(prefix="trl_rpp-warm-")
 # The pytest processes keep vLLM: xdist's workers start with the PYTHONPATH above, so their sitecustomize hid it.
 if "vllm" in sys.modules and sys.modules["vllm"] is None:
     del sys.modules["vllm"]
@@ -47,6 +53,21 @@ def pytest_configure(config):
         threads = max(1, (os.cpu_count() or 1) // workers)
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def pytest_unconfigure(config):
+    if _OWNS_WARM_DIR:
+        import glob
+        import shutil
+        import signal
+
+        for pid_file in glob.glob(os.path.join(os.environ["TRL_RPP_WARM_DIR"], "*.pid")):
+            try:
+                with open(pid_file) as f:
+                    os.kill(int(f.read()), signal.SIGTERM)
+            except (OSError, ValueError):
+                pass
+        shutil.rmtree(os.environ["TRL_RPP_WARM_DIR"], ignore_errors=True)
 
 
 # Session fixtures that run something big once for tests in several modules: their tests share one xdist worker.
@@ -117,16 +138,15 @@ def uninterrupted_run(tmp_path_factory, tiny_model):
     import json
     import subprocess
 
-    script = os.path.join(SUPPORT, "resume_script.py")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    from trainer_helpers import resume_command, script_env
 
     def run(estimator, steps_per_generation):
         def build(path):
             history = path / "log_history.json"
             if not history.exists():
-                subprocess.run([sys.executable, script, "--model", tiny_model, "--output_dir", str(path), "--estimator",
-                                estimator, "--steps_per_generation", str(steps_per_generation)],
-                               env=env, check=True, capture_output=True, timeout=900)
+                subprocess.run(resume_command("--model", tiny_model, "--output_dir", str(path), "--estimator", estimator,
+                                              "--steps_per_generation", str(steps_per_generation)),
+                               env=script_env(), check=True, capture_output=True, timeout=900)
             with open(history) as f:
                 return json.load(f)
 

@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def _launch_port(argv):
-    assert argv[1:3] == ["-m", "accelerate.commands.launch"], argv
+    assert argv[1:4] == [trainer_helpers.WARM, "-m", "accelerate.commands.launch"], argv
     return int(argv[argv.index("--main_process_port") + 1])
 
 

@@ -6,27 +6,20 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from trainer_helpers import assert_launch_finished, launch_command, make_args
+from trainer_helpers import assert_launch_finished, make_args, resume_command, script_env
 from trl_rpp import RPPConfig, RPPTrainer
 from trl_rpp.faults.checkpoint import ResumeLayout, checkpoint_problem, required_files
 from trl_rpp.faults.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted, parse_preemption_signals
 from trl_rpp.testing.tiny import copy_first_char_reward, copy_task_dataset
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+ENV = script_env()
 # steps_per_generation=2: generations at steps 1, 3, 5, 7, so a stop at step 3 or 5 falls inside a generation batch
 # and its checkpoint must carry the buffered batch; a regular checkpoint every 3 steps.
 SPG = ("--steps_per_generation", "2")
-
-
-def command(*args, processes=1):
-    script = os.path.join(HERE, "support", "resume_script.py")
-    return launch_command(script, *args) if processes == 2 else [sys.executable, script, *args]
 
 
 def ended(run, out_dir, processes):
@@ -82,7 +75,9 @@ def finish(proc, timeout=300, workers=()):
 
 
 def start(*args, processes=1):
-    return subprocess.Popen(command(*args, processes=processes), env=ENV, stdout=subprocess.PIPE,
+    """The run to signal. One process starts cold, so that the process the test started is the one that trains
+    and gets the signal, as under a scheduler; under `accelerate launch` each rank writes its pid."""
+    return subprocess.Popen(resume_command(*args, processes=processes, warm=processes > 1), env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -99,7 +94,7 @@ def checkpoints(out_dir):
 
 
 def resume(model, out_dir, processes=1):
-    run = subprocess.run(command("--model", model, "--output_dir", out_dir, "--resume", *SPG, processes=processes),
+    run = subprocess.run(resume_command("--model", model, "--output_dir", out_dir, "--resume", *SPG, processes=processes),
                          env=ENV, capture_output=True, text=True, timeout=900)
     ended(run, out_dir, processes)
     with open(os.path.join(out_dir, "log_history.json")) as f:
@@ -202,7 +197,7 @@ def test_a_signal_during_a_regular_save_stops_right_after_it(tmp_path, model, re
 @pytest.fixture(scope="module")
 def reference_2proc(model, tmp_path_factory):
     full = str(tmp_path_factory.mktemp("preempt_full_2proc"))
-    run = subprocess.run(command("--model", model, "--output_dir", full, *SPG, processes=2), env=ENV,
+    run = subprocess.run(resume_command("--model", model, "--output_dir", full, *SPG, processes=2), env=ENV,
                          capture_output=True, text=True, timeout=900)
     ended(run, full, 2)
     with open(os.path.join(full, "log_history.json")) as f:

@@ -5,21 +5,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
+from trainer_helpers import resume_command, script_env
 from trl_rpp.faults.checkpoint import (
     DamagedCheckpointError, ResumeLayout, checkpoint_problem, newest_complete_checkpoint, required_files,
 )
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1")
-
-
-def script(*args):
-    return [sys.executable, os.path.join(HERE, "support", "resume_script.py"), *args]
+ENV = script_env()
 
 
 def per_step(log_history):
@@ -42,7 +37,7 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, tiny_model
     spg = ("--steps_per_generation", str(steps_per_generation))
     os.makedirs(broken)
 
-    proc = subprocess.Popen(script("--model", model, "--output_dir", broken, "--estimator", estimator, "--hang_at", "5", *spg),
+    proc = subprocess.Popen(resume_command("--model", model, "--output_dir", broken, "--estimator", estimator, "--hang_at", "5", *spg),
                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not os.path.exists(os.path.join(broken, "hanging")):
@@ -54,7 +49,7 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, tiny_model
     assert sorted(d for d in os.listdir(broken) if d.startswith("checkpoint-")) == ["checkpoint-3"]
     assert not os.path.exists(os.path.join(broken, "log_history.json"))
 
-    out = subprocess.run(script("--model", model, "--output_dir", broken, "--estimator", estimator, "--resume", *spg),
+    out = subprocess.run(resume_command("--model", model, "--output_dir", broken, "--estimator", estimator, "--resume", *spg),
                          env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     resumed_run = json.load(open(os.path.join(broken, "log_history.json")))
@@ -98,7 +93,7 @@ def kill_reference(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("kill")
     model = tiny_model
     full = str(root / "full")
-    subprocess.run(script("--model", model, "--output_dir", full, *KILL_ARGS), env=ENV, check=True,
+    subprocess.run(resume_command("--model", model, "--output_dir", full, *KILL_ARGS), env=ENV, check=True,
                    capture_output=True, timeout=600)
     reference = json.load(open(os.path.join(full, "log_history.json")))
     assert reference["steps_run_here"] == [1, 4, 7]
@@ -116,7 +111,7 @@ def test_sigkill_during_checkpoint_write(tmp_path, kill_reference, point):
     model, reference = kill_reference
     out_dir = str(tmp_path / "run")
     os.makedirs(out_dir)
-    killed = subprocess.run(script("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--kill_at", point,
+    killed = subprocess.run(resume_command("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--kill_at", point,
                                    "--kill_step", "4"), env=ENV, capture_output=True, text=True, timeout=600)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     checkpoint4 = os.path.join(out_dir, "checkpoint-4")
@@ -146,14 +141,14 @@ def test_sigkill_during_checkpoint_write(tmp_path, kill_reference, point):
         return
     # The run itself: a named torn checkpoint-4 is refused, and resume_from_checkpoint=True resumes exactly.
     if KILL_CASES[point] == "skipped":
-        refused = subprocess.run(script("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--resume_from",
+        refused = subprocess.run(resume_command("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--resume_from",
                                         checkpoint4), env=ENV, capture_output=True, text=True, timeout=600)
         assert refused.returncode != 0
         error = refused.stderr.strip().splitlines()[-1]
         assert error.startswith("trl_rpp.faults.checkpoint.DamagedCheckpointError: "), refused.stderr[-3000:]
         assert os.path.join(checkpoint4, "trainer_state.json") in error, error
         assert f"Delete the folder {checkpoint4} and resume again" in error, error
-    resume = script("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--resume")
+    resume = resume_command("--model", model, "--output_dir", out_dir, *KILL_ARGS, "--resume")
     out = subprocess.run(resume, env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     skipped = f"trl_rpp: resume_from_checkpoint=True skips {checkpoint4}, which is incomplete: " + os.path.join(

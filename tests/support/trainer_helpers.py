@@ -160,16 +160,29 @@ def free_port():
     raise RuntimeError(f"no free port in {base}..{base + PORTS_PER_WORKER - 1}")
 
 
+WARM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm.py")
+
+
+def python_command(*argv):
+    """argv of `python argv...` started warm (tests/support/warm.py): the script runs as in a fresh interpreter, from
+    one that has already imported torch, transformers and TRL. For the suite's own scripts and the runs of examples
+    and benchmarks; a test of a command as the docs write it, or of what happens at import, runs it cold."""
+    return [sys.executable, WARM, *argv]
+
+
 def launch_command(*script_and_args, config_file=None, processes=2):
     """argv of `accelerate launch` with `processes` CPU processes on a port of this worker's own: the shipped
     `config_file` (examples/accelerate_configs) with what a CPU machine needs overridden, or plain multi-process
-    (gloo) without one. Every multi-process launch of the tests goes through here (tests/test_harness.py checks it)."""
+    (gloo) without one. The launcher and each process start warm (`python_command`; `--no_python` makes torch's
+    launcher run `python warm.py script...` as the process). Every multi-process launch of the tests goes through
+    here (tests/test_harness.py checks it)."""
     if config_file is None:
         engine = ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"]
     else:
         engine = ["--config_file", config_file]
-    return [sys.executable, "-m", "accelerate.commands.launch", *engine, "--num_processes", str(processes),
-            "--mixed_precision", "no", "--main_process_port", str(free_port()), *script_and_args]
+    return python_command("-m", "accelerate.commands.launch", *engine, "--num_processes", str(processes),
+                          "--mixed_precision", "no", "--main_process_port", str(free_port()), "--no_python",
+                          *python_command(*script_and_args))
 
 
 # PYTHONFAULTHANDLER: a process that dies of a signal prints where its Python code was.
@@ -198,6 +211,24 @@ def assert_launch_finished(outdir, returncode, output, processes=2):
     assert not missing, f"process(es) {missing} did not finish; launcher status {returncode}\n{output[-5000:]}"
     if returncode != 0:
         warnings.warn(f"every process finished, then the launcher returned {returncode}:\n{output[-1500:]}")
+
+
+def script_env():
+    """The environment of the suite's training subprocesses: this process's, offline, with one torch thread
+    (`LAUNCH_ENV`)."""
+    return dict(os.environ, **LAUNCH_ENV)
+
+
+RESUME_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_script.py")
+
+
+def resume_command(*args, processes=1, warm=True):
+    """argv of tests/support/resume_script.py with `args`: one process (started warm, or cold: `python_command`), or
+    `processes` under `accelerate launch`. test_resume.py, test_preemption.py and tests/conftest.py's
+    `uninterrupted_run` all run it through here."""
+    if processes > 1:
+        return launch_command(RESUME_SCRIPT, *args, processes=processes)
+    return python_command(RESUME_SCRIPT, *args) if warm else [sys.executable, RESUME_SCRIPT, *args]
 
 
 def with_vllm(env):
