@@ -4,7 +4,9 @@ subprocess scripts import, and those scripts, are in tests/support/ (on `sys.pat
 The suite runs on both cores with pytest-xdist (`make test`): each worker gets its share of the cores' threads,
 tests that share a module-scoped fixture (a vLLM engine, a reference run) stay on one worker, the models built for
 the whole session are built once for all workers, one vLLM server per model serves every test that trains against
-a server (tests/support/servers.py), and no Python process of the suite can reach the network (tests/harness).
+a server (tests/support/servers.py), the training subprocesses start warm, from an interpreter that has already
+imported torch, transformers and TRL (tests/support/warm.py), and no Python process of the suite can reach the
+network (tests/harness).
 
 vLLM runs with `VLLM_CPU_CI_ENV=1`, the setting of vLLM's own CPU CI: its CPU backend then traces the model once and
 runs it eagerly instead of compiling it with inductor, which on a machine without a compile cache costs 25 to 40 s

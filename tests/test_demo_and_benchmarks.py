@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from trainer_helpers import python_command
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
 
 
 def run(args, timeout=300, env=None):
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=dict(ENV, **(env or {})), capture_output=True,
+    proc = subprocess.run(python_command(*args), cwd=ROOT, env=dict(ENV, **(env or {})), capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from trainer_helpers import python_command
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "rpp.py"
 ESTIMATORS = ["reinforce_plus_plus", "reinforce_plus_plus_baseline"]
@@ -41,8 +43,8 @@ def _env():
 def test_script_trains_saves_and_writes_model_card(tiny_setup, tmp_path, estimator):
     model, data = tiny_setup
     out = tmp_path / "out"
-    cmd = [
-        sys.executable, str(SCRIPT),
+    cmd = python_command(
+        str(SCRIPT),
         "--model_name_or_path", model,
         "--dataset_name", str(data),
         "--advantage_estimator", estimator,
@@ -54,7 +56,7 @@ def test_script_trains_saves_and_writes_model_card(tiny_setup, tmp_path, estimat
         "--report_to", "none",
         "--output_dir", str(out),
         "--reward_funcs", "trl_rpp.testing.tiny.copy_first_char_reward",
-    ]  # fmt: skip
+    )  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert (out / "config.json").is_file()

@@ -1,14 +1,17 @@
 """The test harness itself: every multi-process launch takes a port of its own (so the suite can run on both cores),
-no Python process of the suite can reach the network (so every run is proven offline), and a subprocess sees vLLM
-only when it asks for it."""
+no Python process of the suite can reach the network (so every run is proven offline), a subprocess sees vLLM
+only when it asks for it, and a script started warm (tests/support/warm.py) runs as it runs in a fresh interpreter."""
 
 import ast
 import errno
 import importlib.util
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -256,3 +259,104 @@ def test_no_test_skips_or_xfails_by_version():
     assert HERE / "test_engines.py" in files and len(files) > 30
     problems = [p for f in files for p in skip_and_xfail_problems(f.read_text(), str(f.relative_to(HERE)))]
     assert problems == [], "\n".join(problems)
+
+
+# --- warm starts (tests/support/warm.py) --------------------------------------------------------------------------
+
+import warm  # noqa: E402
+
+PROBE = """import os, sys
+print("name", __name__, "argv", sys.argv, "cwd", os.getcwd(), "path0", sys.path[0], "env", os.environ.get("PROBE"))
+print("stdin", sys.stdin.read())
+print("to stderr", file=sys.stderr)
+with open("written", "w") as f:
+    f.write(str(os.getpid()))
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def _probe_run(command, folder, env):
+    os.makedirs(folder)
+    (folder / "probe.py").write_text(PROBE)
+    proc = subprocess.Popen([*command, "probe.py", "3", "--flag"], cwd=folder, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate("from the caller", timeout=120)
+    return proc, out.replace(str(folder), "<folder>"), err, int((folder / "written").read_text())
+
+
+def test_a_script_runs_warm_as_it_runs_cold(tmp_path):
+    """Warm or cold, the script sees the same `__name__`, argv, directory, `sys.path[0]`, environment and stdin, and
+    the caller gets the same stdout, stderr, files and exit status. Only the warm one is not the process the caller
+    started (it is forked by the zygote): proof that it did not fall back to a fresh interpreter."""
+    env = dict(os.environ, PROBE="probe value")
+    cold, cold_out, cold_err, cold_pid = _probe_run([sys.executable], tmp_path / "cold", env)
+    warm_, warm_out, warm_err, warm_pid = _probe_run(trainer_helpers.python_command(), tmp_path / "warm", env)
+    assert cold_out == ("name __main__ argv ['probe.py', '3', '--flag'] cwd <folder> path0 <folder> env probe value\n"
+                        "stdin from the caller\n")
+    assert (warm_out, warm_err, warm_.returncode) == (cold_out, cold_err, cold.returncode) == (
+        cold_out, "to stderr\n", 3)
+    assert cold_pid == cold.pid and warm_pid != warm_.pid
+    assert os.path.exists(os.path.join(os.environ[warm.WARM_DIR], warm.environment_key(env) + ".sock"))
+
+
+def _started(tmp_path, code):
+    (tmp_path / "probe.py").write_text("import os, signal, sys, time\n" + code)
+    return subprocess.Popen(trainer_helpers.python_command("probe.py"), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _pid_written(tmp_path, proc):
+    deadline = time.time() + 120
+    while not (tmp_path / "pid").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    return int((tmp_path / "pid").read_text())
+
+
+WAITS = ("signal.signal(signal.SIGTERM, lambda *_: (print('handled', flush=True), sys.exit(75)))\n"
+         "open('pid.tmp', 'w').write(str(os.getpid())); os.replace('pid.tmp', 'pid')\n"
+         "time.sleep(120)\n")
+
+
+def test_signals_reach_a_warm_script_and_its_end_reaches_the_caller(tmp_path):
+    """SIGTERM to the process the caller started runs the script's handler (exit 75, as a scheduler's signal would);
+    a script killed by a signal is reported as killed by it; a caller killed with SIGKILL takes the script with it."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
+    proc = _started(tmp_path / "a", WAITS)
+    _pid_written(tmp_path / "a", proc)
+    proc.send_signal(signal.SIGTERM)
+    assert (proc.wait(60), proc.communicate()[0]) == (75, "handled\n")
+
+    proc = _started(tmp_path / "b", "os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert proc.wait(60) == -signal.SIGKILL
+
+    proc = _started(tmp_path / "c", WAITS)
+    script = _pid_written(tmp_path / "c", proc)
+    proc.kill()
+    proc.wait(60)
+    deadline = time.time() + 10
+    while os.path.exists(f"/proc/{script}") and open(f"/proc/{script}/stat").read().split()[2] != "Z":
+        assert time.time() < deadline, "the script outlived its caller"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_warm_training_run_equals_a_cold_one(tmp_path, tiny_model, uninterrupted_run):
+    """resume_script.py's uninterrupted run, warm (the session's shared `uninterrupted_run`) and cold: the same
+    log history to the last bit, timings aside."""
+    warm_history = uninterrupted_run("reinforce_plus_plus", 1)
+    out = tmp_path / "cold"
+    subprocess.run(trainer_helpers.resume_command("--model", tiny_model, "--output_dir", str(out), "--estimator",
+                                                  "reinforce_plus_plus", "--steps_per_generation", "1", warm=False),
+                   env=trainer_helpers.script_env(), check=True, capture_output=True, timeout=600)
+    cold_history = json.loads((out / "log_history.json").read_text())
+
+    def untimed(history):
+        return [{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k and k != "step_time"} for h in history]
+
+    assert warm_history["steps_run_here"] == cold_history["steps_run_here"] == [1, 2, 3, 4, 5, 6, 7, 8]
+    for warm_step, cold_step in zip(untimed(warm_history["log_history"]), untimed(cold_history["log_history"])):
+        assert warm_step == cold_step, {k: (warm_step.get(k), cold_step.get(k)) for k in warm_step | cold_step
+                                        if warm_step.get(k) != cold_step.get(k)}
+    assert len(warm_history["log_history"]) == len(cold_history["log_history"])
+    assert any("loss" in h for h in warm_history["log_history"])

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from trainer_helpers import python_command
+
 REPO = Path(__file__).resolve().parents[1]
 STEP = re.compile(r"^\[(tools|rollout)\] step (\d+): (.*)$", re.M)
 
@@ -28,8 +30,8 @@ def _steps(stdout, loop):
 def test_multi_turn_example_learns_in_both_loops(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline")
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    cmd = [sys.executable, str(REPO / "examples" / "multi_turn.py"), "--model_dir", str(tmp_path / "model"),
-           "--output_dir", str(tmp_path / "out")]  # the defaults: both loops, 6 steps each
+    cmd = python_command(str(REPO / "examples" / "multi_turn.py"), "--model_dir", str(tmp_path / "model"),
+                         "--output_dir", str(tmp_path / "out"))  # the defaults: both loops, 6 steps each
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for loop in ("tools", "rollout"):

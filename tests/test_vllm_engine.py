@@ -16,7 +16,6 @@ import os
 from collections import defaultdict
 import signal
 import subprocess
-import sys
 import types
 
 import pytest
@@ -25,7 +24,7 @@ import torch
 from reference import ref_global_masked_normalize, ref_group_mean_advantages, ref_reinforce_pp_returns
 from servers import ENV, VLLM_ENV  # launch() adds the rest of ENV
 from test_engines import launch
-from trainer_helpers import IS_MODES, IS_STEPS_PER_MODE
+from trainer_helpers import IS_MODES, IS_STEPS_PER_MODE, python_command
 from trl_rpp.records.settings import record_width
 
 pytestmark = pytest.mark.slow
@@ -50,9 +49,9 @@ def load_results(outdir, ranks=(0,)):
 
 
 def run_script(argv, env, timeout=RUN_TIMEOUT_S):
-    """`python argv...` in a session of its own, waited for; on timeout the whole process group is killed and the test
+    """`python argv...` (started warm) in a session of its own, waited for; on timeout the whole process group is killed and the test
     fails with the output. A non-zero status fails it too."""
-    proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(python_command(*argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

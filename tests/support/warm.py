@@ -42,7 +42,7 @@ PER_PROCESS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RA
                "TORCHELASTIC_TIMER_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED",
                "_", "PWD", "OLDPWD", "SHLVL")  # the last four: what a shell sets; the directory is sent apart
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-IDLE_EXIT_S = 900  # a zygote that nobody used for this long exits on its own
+IDLE_EXIT_S = 120  # a zygote that nobody used for this long exits on its own (each holds ~0.5 GB)
 START_TIMEOUT_S = 300
 
 
@@ -184,7 +184,7 @@ def serve(path):
     listener.listen(64)
     os.rename(path + ".new", path)  # clients connect only once it listens
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
-    listener.settimeout(60)
+    listener.settimeout(10)
     last = time.monotonic()
     while os.path.exists(path):
         try:
