@@ -40,9 +40,11 @@ _spec.loader.exec_module(harness)  # installs the guard
 # tests/support/warm.py: the suite's training subprocesses start from interpreters that have imported torch,
 # transformers and TRL (zygotes). Made by the first pytest process (xdist's controller), inherited by its workers;
 # its zygotes stop when that process ends (`pytest_unconfigure`), so none outlives the code it imported.
-_OWNS_WARM_DIR = "TRL_RPP_WARM_DIR" not in os.environ
+import warm  # noqa: E402  (tests/support, on sys.path above)
+
+_OWNS_WARM_DIR = warm.WARM_DIR not in os.environ
 if _OWNS_WARM_DIR:
-    os.environ["TRL_RPP_WARM_DIR"] = tempfile.mkdtemp(prefix="trl_rpp-warm-")
+    os.environ[warm.WARM_DIR] = tempfile.mkdtemp(prefix="trl_rpp-warm-")
 # The pytest processes keep vLLM: xdist's workers start with the PYTHONPATH above, so their sitecustomize hid it.
 if "vllm" in sys.modules and sys.modules["vllm"] is None:
     del sys.modules["vllm"]
@@ -59,17 +61,7 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     if _OWNS_WARM_DIR:
-        import glob
-        import shutil
-        import signal
-
-        for pid_file in glob.glob(os.path.join(os.environ["TRL_RPP_WARM_DIR"], "*.pid")):
-            try:
-                with open(pid_file) as f:
-                    os.kill(int(f.read()), signal.SIGTERM)
-            except (OSError, ValueError):
-                pass
-        shutil.rmtree(os.environ["TRL_RPP_WARM_DIR"], ignore_errors=True)
+        warm.stop_zygotes(os.environ[warm.WARM_DIR])
 
 
 # Session fixtures that run something big once for tests in several modules: their tests share one xdist worker.
@@ -146,8 +138,8 @@ def uninterrupted_run(tmp_path_factory, tiny_model):
         def build(path):
             history = path / "log_history.json"
             if not history.exists():
-                subprocess.run(resume_command("--model", tiny_model, "--output_dir", str(path), "--estimator", estimator,
-                                              "--steps_per_generation", str(steps_per_generation)),
+                subprocess.run(resume_command("--model", tiny_model, "--output_dir", str(path), "--estimator",
+                                              estimator, "--steps_per_generation", str(steps_per_generation)),
                                env=script_env(), check=True, capture_output=True, timeout=900)
             with open(history) as f:
                 return json.load(f)

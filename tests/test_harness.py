@@ -321,7 +321,8 @@ WAITS = ("signal.signal(signal.SIGTERM, lambda *_: (print('handled', flush=True)
 def test_signals_reach_a_warm_script_and_its_end_reaches_the_caller(tmp_path):
     """SIGTERM to the process the caller started runs the script's handler (exit 75, as a scheduler's signal would);
     a script killed by a signal is reported as killed by it; a caller killed with SIGKILL takes the script with it."""
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
+    for name in "abc":
+        (tmp_path / name).mkdir()
     proc = _started(tmp_path / "a", WAITS)
     _pid_written(tmp_path / "a", proc)
     proc.send_signal(signal.SIGTERM)
@@ -352,7 +353,8 @@ def test_a_warm_training_run_equals_a_cold_one(tmp_path, tiny_model, uninterrupt
     cold_history = json.loads((out / "log_history.json").read_text())
 
     def untimed(history):
-        return [{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k and k != "step_time"} for h in history]
+        timed = ("runtime", "per_second", "step_time")
+        return [{k: v for k, v in h.items() if not any(t in k for t in timed)} for h in history]
 
     assert warm_history["steps_run_here"] == cold_history["steps_run_here"] == [1, 2, 3, 4, 5, 6, 7, 8]
     for warm_step, cold_step in zip(untimed(warm_history["log_history"]), untimed(cold_history["log_history"])):

@@ -77,8 +77,8 @@ def finish(proc, timeout=300, workers=()):
 def start(*args, processes=1):
     """The run to signal. One process starts cold, so that the process the test started is the one that trains
     and gets the signal, as under a scheduler; under `accelerate launch` each rank writes its pid."""
-    return subprocess.Popen(resume_command(*args, processes=processes, warm=processes > 1), env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(resume_command(*args, processes=processes, warm=processes > 1), env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def complete(folder, processes=1):
@@ -94,8 +94,8 @@ def checkpoints(out_dir):
 
 
 def resume(model, out_dir, processes=1):
-    run = subprocess.run(resume_command("--model", model, "--output_dir", out_dir, "--resume", *SPG, processes=processes),
-                         env=ENV, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(resume_command("--model", model, "--output_dir", out_dir, "--resume", *SPG,
+                                        processes=processes), env=ENV, capture_output=True, text=True, timeout=900)
     ended(run, out_dir, processes)
     with open(os.path.join(out_dir, "log_history.json")) as f:
         return json.load(f)

@@ -37,7 +37,8 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, tiny_model
     spg = ("--steps_per_generation", str(steps_per_generation))
     os.makedirs(broken)
 
-    proc = subprocess.Popen(resume_command("--model", model, "--output_dir", broken, "--estimator", estimator, "--hang_at", "5", *spg),
+    proc = subprocess.Popen(resume_command("--model", model, "--output_dir", broken, "--estimator", estimator,
+                                           "--hang_at", "5", *spg),
                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not os.path.exists(os.path.join(broken, "hanging")):
@@ -49,8 +50,8 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path, tiny_model
     assert sorted(d for d in os.listdir(broken) if d.startswith("checkpoint-")) == ["checkpoint-3"]
     assert not os.path.exists(os.path.join(broken, "log_history.json"))
 
-    out = subprocess.run(resume_command("--model", model, "--output_dir", broken, "--estimator", estimator, "--resume", *spg),
-                         env=ENV, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(resume_command("--model", model, "--output_dir", broken, "--estimator", estimator, "--resume",
+                                        *spg), env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     resumed_run = json.load(open(os.path.join(broken, "log_history.json")))
     reference_run = uninterrupted_run(estimator, steps_per_generation)

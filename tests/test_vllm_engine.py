@@ -49,8 +49,8 @@ def load_results(outdir, ranks=(0,)):
 
 
 def run_script(argv, env, timeout=RUN_TIMEOUT_S):
-    """`python argv...` (started warm) in a session of its own, waited for; on timeout the whole process group is killed and the test
-    fails with the output. A non-zero status fails it too."""
+    """`python argv...` (started warm) in a session of its own, waited for; on timeout the whole process group is
+    killed and the test fails with the output. A non-zero status fails it too."""
     proc = subprocess.Popen(python_command(*argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:

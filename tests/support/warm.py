@@ -19,8 +19,8 @@ One zygote per environment: the libraries read some variables when they are impo
 TRL_RPP_TESTS_VLLM through tests/harness, the OpenMP settings), so a zygote serves only clients whose environment
 equals the one it was started with, apart from the variables that `accelerate launch` and torch's launcher set for
 each process and that are read later (`PER_PROCESS`). Zygotes live in `TRL_RPP_WARM_DIR`, a folder of the test
-session (tests/conftest.py), which stops them when the session ends: a zygote never outlives the code it imported.
-Without `TRL_RPP_WARM_DIR` the client runs the script in a fresh interpreter itself.
+session (tests/conftest.py), which stops them when the session ends (`stop_zygotes`): a zygote never outlives the
+code it imported. Without `TRL_RPP_WARM_DIR` the client refuses to run.
 
 tests/test_harness.py checks that a script runs warm exactly as it runs cold: the same output, files and status."""
 
@@ -96,9 +96,9 @@ def _run_script(request):
         if args[0] == "-c":
             sys.argv = ["-c", *args[2:]]
             sys.path[0] = ""
-            main = type(sys)("__main__")
-            sys.modules["__main__"] = main
-            exec(compile(args[1], "<string>", "exec"), main.__dict__)
+            module = type(sys)("__main__")
+            sys.modules["__main__"] = module
+            exec(compile(args[1], "<string>", "exec"), module.__dict__)
         elif args[0] == "-m":
             sys.argv = [args[1], *args[2:]]
             sys.path[0] = os.getcwd()
@@ -170,16 +170,15 @@ def _monitor(conn):
 
 
 def serve(path):
-    """The zygote: import what every training script imports, then fork a monitor per connection on `path`."""
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-    import trl_rpp
-    from trl_rpp import RPPConfig, RPPTrainer  # noqa: F401
+    """The zygote: import what every training script imports (the trainer: torch, transformers, TRL), then fork a
+    monitor per connection on `path`."""
+    import trl_rpp.trainer  # noqa: F401
 
-    del trl_rpp
     sys.stdout.flush()
     sys.stderr.flush()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if os.path.exists(path + ".new"):  # left by a zygote that died starting
+        os.unlink(path + ".new")
     listener.bind(path + ".new")
     listener.listen(64)
     os.rename(path + ".new", path)  # clients connect only once it listens
@@ -213,13 +212,28 @@ def _connect(path):
     return conn
 
 
-def _alive(pid_file):
+def _signal_pid_file(pid_file, sig):
+    """Send `sig` to the process whose pid `pid_file` holds; False if there is none."""
     try:
         with open(pid_file) as f:
-            os.kill(int(f.read()), 0)
+            os.kill(int(f.read()), sig)
         return True
     except (OSError, ValueError):
         return False
+
+
+def _alive(pid_file):
+    return _signal_pid_file(pid_file, 0)
+
+
+def stop_zygotes(directory):
+    """SIGTERM every zygote started in `directory`, then remove it (the end of a test session)."""
+    import glob
+    import shutil
+
+    for pid_file in glob.glob(os.path.join(directory, "*.pid")):
+        _signal_pid_file(pid_file, signal.SIGTERM)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _zygote(directory, env):
@@ -254,7 +268,8 @@ def _zygote(directory, env):
 def main(argv):
     directory = os.environ.get(WARM_DIR)
     if not directory:
-        os.execv(sys.executable, [sys.executable, *argv])
+        sys.exit(f"warm.py: {WARM_DIR} is not set: it names the folder of the test session's zygotes "
+                 "(tests/conftest.py sets it); run the script with `python` instead")
     import array
 
     env = dict(os.environ)
