@@ -116,6 +116,18 @@ def test_trains_and_the_engine_samples_from_the_current_policy(single, case):
     print(f"\n{case}: engine vs trainer <= {LOGP_ATOL}, policy moved {moved:.3g}, TRL's logp gap max {gap:.3g}")
     assert gap <= LOGP_ATOL
 
+def test_one_process_frees_each_engine_before_it_builds_the_next(single):
+    """The single-process run builds one engine per case in turn (`release_engines` after each): the process's
+    resident set after every case stays within one KV cache (VLLM_CPU_KVCACHE_SPACE, 1 GiB) of that after the
+    first, where an engine left resident would add a GiB per case."""
+    resident = {case: run["resident_bytes"] for case, run in single.items()}
+    assert len(resident) >= 10, resident
+    spread = (max(resident.values()) - min(resident.values())) / 2**30
+    print(f"\n{len(resident)} engines in one process: resident set {min(resident.values()) / 2**30:.2f} to "
+          f"{max(resident.values()) / 2**30:.2f} GiB")
+    assert spread < 1.0, resident
+
+
 
 def test_lora_reaches_the_engine_merged(single):
     run = single["baseline_lora_sync"]

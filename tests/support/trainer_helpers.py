@@ -2,11 +2,13 @@
 tests/conftest.py): a recording RPPTrainer, the small default config, the initial model's log-probs, and the one way
 the tests start `accelerate launch` (on a port of their own)."""
 
+import gc
 import itertools
 import os
 import socket
 import sys
 import warnings
+import weakref
 
 import torch
 
@@ -25,6 +27,38 @@ LORA_HEAD = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head
 def length_reward(completions, **kwargs):
     """A second, continuous reward so that the weighted sum over reward functions is exercised."""
     return [len(c) / 4.0 for c in completions]
+
+
+def release_engines():
+    """Free the colocated vLLM engines of the trainers this process has deleted; call it only when none of its
+    engines is in use. Without it each deleted trainer's engine, a KV cache of `VLLM_CPU_KVCACHE_SPACE` (1 GiB)
+    included, stays resident until the process ends, and each further engine allocates its cache under growing
+    memory pressure (seconds each past about 8 GiB). Three things keep it:
+    - vLLM's `EngineCore` calls `gc.freeze()` when it starts and undoes it only in its `shutdown`, which TRL never
+      calls;
+    - the weight reload (the CPU engine's sync) records each layer in `vllm.model_executor.model_loader.reload.
+      layerwise.LAYERWISE_INFO`, a `WeakKeyDictionary` whose values refer back to their layers, so its keys never die;
+    - the model's compile wrapper registers a Dynamo bytecode hook, a bound method, which vLLM's finalizer of the
+      engine does not find once the reload has run; the wrapper's own `cleanup` removes it.
+    Returns the process's resident set afterwards, in bytes."""
+    if "vllm" in sys.modules:
+        import vllm
+        from torch._dynamo import convert_frame
+        from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        info, hooks = getattr(layerwise, "LAYERWISE_INFO", None), getattr(convert_frame, "_bytecode_hooks", None)
+        if not isinstance(info, weakref.WeakKeyDictionary) or not isinstance(hooks, dict):
+            raise AssertionError(f"vllm {vllm.__version__}, torch {torch.__version__}: vLLM's LAYERWISE_INFO or "
+                                 f"Dynamo's _bytecode_hooks changed; see what keeps a deleted engine alive")
+        info.clear()
+        for hook in list(hooks.values()):
+            if isinstance(getattr(hook, "__self__", None), TorchCompileWithNoGuardsWrapper):
+                hook.__self__.cleanup()
+    gc.unfreeze()
+    gc.collect()
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _detached(batch):

@@ -16,7 +16,6 @@ to a JSON file, one per rank:
 vLLM starts its engine core with `spawn`: everything runs under the `__main__` guard.
 """
 
-import gc
 from contextlib import contextmanager
 import json
 import os
@@ -32,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from trainer_helpers import (  # noqa: E402
-    IS_MODES, IS_STEPS_PER_MODE, CaptureTrainer, finish_launched, length_reward,
+    IS_MODES, IS_STEPS_PER_MODE, CaptureTrainer, finish_launched, length_reward, release_engines,
 )
 from trl_rpp import RPPConfig  # noqa: E402
 from trl_rpp.records.generation import current_record  # noqa: E402
@@ -309,7 +308,7 @@ def resumed_first_probe(outdir, model_path, name, spec, initial_probe):
     trainer.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
     probes = trainer.sync_probes
     del trainer
-    gc.collect()
+    release_engines()
     return probes
 
 
@@ -348,7 +347,7 @@ def preempted_then_resumed(outdir, model_path, name, spec, initial_probe):
                    generations=len(trainer.generation_batches), sync_probes=trainer.sync_probes)
         runs.append(run)
         del trainer
-        gc.collect()
+        release_engines()
     return {"first": runs[0], "resumed": runs[1]}
 
 
@@ -404,8 +403,8 @@ def run_case(outdir, model_path, name, spec, initial_probe, zero3=False):
         p = next(trainer.model.parameters())
         result["facts"].update(zero3=is_deepspeed_zero3_enabled(), ds_numel=int(getattr(p, "ds_numel", -1)),
                                partition_numel=int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else -1)
-    del trainer
-    gc.collect()
+    del trainer, engine
+    release_engines()
     if name == "resume_sync":
         result["resumed_probes"] = resumed_first_probe(outdir, model_path, name, spec, initial_probe)
     return result
@@ -431,6 +430,7 @@ def main():
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     for name in only:
         result = run_case(outdir, model_path, name, cases[name], initial_probe, zero3=group == "zero3")
+        result["resident_bytes"] = release_engines()  # after the case's engines were freed
         with open(os.path.join(outdir, f"{name}_rank{rank}.json"), "w") as f:
             json.dump(result, f)
         print(f"case {name} done", flush=True)
