@@ -299,6 +299,39 @@ def test_a_script_runs_warm_as_it_runs_cold(tmp_path):
     assert os.path.exists(os.path.join(os.environ[warm.WARM_DIR], warm.environment_key(env) + ".sock"))
 
 
+@pytest.mark.slow
+def test_a_retiring_zygote_strands_no_client(tmp_path):
+    """A zygote left idle retires: its socket and pid file go, then its process. Clients that come while it retires
+    or after it left are served, by it or by a new zygote, never told that the zygote did not start: clients spaced
+    around the idle spell (1 s here) all run the script."""
+    env = dict(os.environ, **{warm.IDLE_VARIABLE: "1"})
+    base = os.path.join(os.environ[warm.WARM_DIR], warm.environment_key(env) + ".sock")
+    (tmp_path / "probe.py").write_text("print('ran')\n")
+
+    def run():
+        done = subprocess.run(trainer_helpers.python_command("probe.py"), cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=180)
+        assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr[-3000:]
+
+    run()
+    with open(base + ".pid") as f:
+        pid = int(f.read())
+    def running():  # a zombie has ended
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + 60
+    while os.path.exists(base + ".pid") or os.path.exists(base) or running():
+        assert time.time() < deadline, "the idle zygote did not retire"
+        time.sleep(0.05)
+    for pause in (0.0, 0.9, 1.0, 1.1, 1.3):
+        time.sleep(pause)
+        run()
+
+
 def _started(tmp_path, code):
     (tmp_path / "probe.py").write_text("import os, signal, sys, time\n" + code)
     return subprocess.Popen(trainer_helpers.python_command("probe.py"), cwd=tmp_path, stdout=subprocess.PIPE,

@@ -43,6 +43,7 @@ PER_PROCESS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RA
                "_", "PWD", "OLDPWD", "SHLVL")  # the last four: what a shell sets; the directory is sent apart
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 IDLE_EXIT_S = 120  # a zygote that nobody used for this long exits on its own (each holds ~0.5 GB)
+IDLE_VARIABLE = "TRL_RPP_WARM_IDLE_S"  # another idle spell, in seconds (tests/test_harness.py)
 START_TIMEOUT_S = 300
 
 
@@ -183,25 +184,60 @@ def serve(path):
     listener.listen(64)
     os.rename(path + ".new", path)  # clients connect only once it listens
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
-    listener.settimeout(10)
+    idle_s = float(os.environ.get(IDLE_VARIABLE, IDLE_EXIT_S))
+    listener.settimeout(min(10.0, idle_s))
     last = time.monotonic()
     while os.path.exists(path):
         try:
             conn, _ = listener.accept()
         except socket.timeout:
-            if time.monotonic() - last > IDLE_EXIT_S:
-                break
+            if time.monotonic() - last > idle_s:
+                _retire(path, listener)
+                return
             continue
         last = time.monotonic()
-        if os.fork() == 0:
-            listener.close()
-            conn.settimeout(None)
-            _monitor(conn)
-        conn.close()
+        _serve_one(listener, conn)
     try:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _serve_one(listener, conn, lock=None):
+    if os.fork() == 0:
+        listener.close()
+        if lock is not None:  # the parent's start lock stays the parent's: the script must not hold it
+            lock.close()
+        conn.settimeout(None)
+        _monitor(conn)
+    conn.close()
+
+
+def _retire(path, listener):
+    """Leave after an idle spell without stranding a client: under the clients' start lock, unlink the socket (a
+    later client finds none and starts a new zygote once the lock is free), serve the clients already waiting in the
+    backlog, then remove the pid file, so that no client waits for a zygote that is leaving."""
+    import fcntl
+
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        listener.setblocking(False)
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # BlockingIOError: the backlog is empty
+                break
+            conn.setblocking(True)
+            _serve_one(listener, conn, lock)
+        listener.close()
+        try:
+            os.unlink(path + ".pid")
+        except OSError:
+            pass
 
 
 # ---------------------------------------------------------------------------------------------------------- client
