@@ -39,8 +39,7 @@ def release_engines():
     - the weight reload (the CPU engine's sync) records each layer in `vllm.model_executor.model_loader.reload.
       layerwise.LAYERWISE_INFO`, a `WeakKeyDictionary` whose values refer back to their layers, so its keys never die;
     - the model's compile wrapper registers a Dynamo bytecode hook, a bound method, which vLLM's finalizer of the
-      engine does not find once the reload has run; the wrapper's own `cleanup` removes it.
-    Returns the process's resident set afterwards, in bytes."""
+      engine does not find once the reload has run; the wrapper's own `cleanup` removes it."""
     if "vllm" in sys.modules:
         import vllm
         from torch._dynamo import convert_frame
@@ -57,6 +56,10 @@ def release_engines():
                 hook.__self__.cleanup()
     gc.unfreeze()
     gc.collect()
+
+
+def resident_bytes():
+    """This process's resident set, in bytes."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 

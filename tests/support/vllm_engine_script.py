@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from trainer_helpers import (  # noqa: E402
     IS_MODES, IS_STEPS_PER_MODE, CaptureTrainer, finish_launched, length_reward, release_engines,
+    resident_bytes,
 )
 from trl_rpp import RPPConfig  # noqa: E402
 from trl_rpp.records.generation import current_record  # noqa: E402
@@ -430,7 +431,7 @@ def main():
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     for name in only:
         result = run_case(outdir, model_path, name, cases[name], initial_probe, zero3=group == "zero3")
-        result["resident_bytes"] = release_engines()  # after the case's engines were freed
+        result["resident_bytes"] = resident_bytes()  # the case freed its engines (`release_engines`)
         with open(os.path.join(outdir, f"{name}_rank{rank}.json"), "w") as f:
             json.dump(result, f)
         print(f"case {name} done", flush=True)

@@ -44,6 +44,7 @@ PER_PROCESS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RA
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 IDLE_EXIT_S = 120  # a zygote that nobody used for this long exits on its own (each holds ~0.5 GB)
 IDLE_VARIABLE = "TRL_RPP_WARM_IDLE_S"  # another idle spell, in seconds (tests/test_harness.py)
+PRELOAD_VARIABLE = "TRL_RPP_WARM_PRELOAD"  # another module to import first, or none if empty (tests/test_harness.py)
 START_TIMEOUT_S = 300
 
 
@@ -173,7 +174,11 @@ def _monitor(conn):
 def serve(path):
     """The zygote: import what every training script imports (the trainer: torch, transformers, TRL), then fork a
     monitor per connection on `path`."""
-    import trl_rpp.trainer  # noqa: F401
+    import importlib
+
+    preload = os.environ.get(PRELOAD_VARIABLE, "trl_rpp.trainer")
+    if preload:
+        importlib.import_module(preload)
 
     sys.stdout.flush()
     sys.stderr.flush()
