@@ -23,6 +23,7 @@ setup(
     install_requires=[
         "torch>=2.11.0",
         "numpy>=2.3.5",  # trl_rpp.records.settings; TRL, transformers and datasets require it too
+        "filelock>=3.13",  # trl_rpp.testing.assets; torch, transformers and datasets require it too
         "trl>=1.16.0,<1.17",
         "transformers>=5.17.0",
         "peft>=0.21.0",

@@ -22,6 +22,7 @@ builds them with vLLM's `external_launcher`, which runs in the trainer's process
 
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 
@@ -35,9 +36,13 @@ sys.path.insert(0, SUPPORT)  # `from trainer_helpers import ...` in the test fil
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")  # see the module docstring; every subprocess inherits it
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the module docstring, too
-# SmolLM2's converted checkpoint (`trl_rpp.testing.assets`): a cache of the tests' own, shared by xdist workers and
-# the subprocesses they start, never the user's ~/.cache/trl_rpp.
-os.environ.setdefault("TRL_RPP_CACHE", os.path.join(tempfile.gettempdir(), "trl_rpp-test-cache"))
+# SmolLM2's converted checkpoint (`trl_rpp.testing.assets`): a cache of this test run's own, never the user's
+# ~/.cache/trl_rpp. Made empty by the first pytest process, as the warm-start folder below, and shared by the xdist
+# workers and the subprocesses they start: the first test that needs SmolLM2 converts it, any other waits for that
+# one conversion (`smollm2_path`'s lock), and tests/test_assets.py checks the conversion this run made.
+_OWNS_CACHE = "TRL_RPP_CACHE" not in os.environ
+if _OWNS_CACHE:
+    os.environ["TRL_RPP_CACHE"] = tempfile.mkdtemp(prefix="trl_rpp-cache-")
 # tests/harness/sitecustomize.py: the network guard, here and in every Python subprocess the tests start (as
 # `sitecustomize`), and vLLM hidden from the subprocesses that do not ask for it.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HARNESS, os.environ.get("PYTHONPATH")) if p)
@@ -69,6 +74,8 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _OWNS_WARM_DIR:
         warm.stop_zygotes(os.environ[warm.WARM_DIR])
+    if _OWNS_CACHE:
+        shutil.rmtree(os.environ["TRL_RPP_CACHE"], ignore_errors=True)
 
 
 # Session fixtures that run something big once for tests in several modules: their tests share one xdist worker.

