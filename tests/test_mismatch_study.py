@@ -297,16 +297,38 @@ def test_bias_sanity_by_hand():
 
 
 def test_run_jobs_runs_in_order_and_stops_launching_after_a_failure(tmp_path):
-    """The sweeps' job pool (study 4 and `compare_estimators.py`): every command runs; a failure stops new launches
-    and is raised with its command once the commands in flight have ended."""
+    """The sweeps' job pool (study 4 and `compare_estimators.py`): every command runs, as ``python script *argv``
+    would run it, in a process forked from one that has imported `PRELOAD` (so the script finds them imported) and
+    holds nothing of an earlier run; a failure stops new launches and is raised with its command once the commands in
+    flight have ended."""
     import subprocess
 
+    from study_common import PRELOAD
+
+    script = tmp_path / "touch.py"
+    script.write_text(
+        "import json, sys\n"
+        "from study_common import PRELOAD\n"
+        "import study_common\n"
+        "earlier = getattr(study_common, 'ran_here', None)\n"
+        "study_common.ran_here = sys.argv[1]\n"
+        "facts = dict(name=__name__, argv=sys.argv[1:], preloaded=[m for m in PRELOAD if m in sys.modules],\n"
+        "             earlier=earlier)\n"
+        "json.dump(facts, open(sys.argv[1] + '.json', 'w'))\n"
+        "raise SystemExit(int(sys.argv[2]))\n")
+
     def touch(name, code=0):
-        return [sys.executable, "-c", f"open({str(tmp_path / name)!r}, 'w'); raise SystemExit({code})"]
+        return [sys.executable, str(script), str(tmp_path / name), str(code)]
 
     ms.run_jobs([(touch("a"), "a"), (touch("b"), "b"), (touch("c"), "c")], jobs=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["a.json", "b.json", "c.json"]
+    for name in "abc":
+        facts = json.loads((tmp_path / f"{name}.json").read_text())
+        assert facts == dict(name="__main__", argv=[str(tmp_path / name), "0"], preloaded=list(PRELOAD),
+                             earlier=None)
     failing = touch("d", code=3)
     with pytest.raises(subprocess.CalledProcessError) as err:
         ms.run_jobs([(failing, "d"), (touch("e"), "e")], jobs=1)
-    assert err.value.cmd == failing and (tmp_path / "d").exists() and not (tmp_path / "e").exists()
+    assert err.value.cmd == failing and (tmp_path / "d.json").exists() and not (tmp_path / "e.json").exists()
+    with pytest.raises(ValueError, match="start_run runs"):
+        ms.run_jobs([([sys.executable, "-c", "pass"], "f")], jobs=1)
