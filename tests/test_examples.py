@@ -76,7 +76,7 @@ def test_dataset_without_prompt_column_fails_in_subprocess(tmp_path):
     # Fails before any model is loaded (the model path does not even exist).
     data = tmp_path / "bad.csv"
     data.write_text("question,answer\n1+1?,2\n")
-    cmd = [sys.executable, str(SCRIPT), "--model_name_or_path", str(tmp_path / "missing"), "--dataset_name",
+    cmd = [*python_command(str(SCRIPT)), "--model_name_or_path", str(tmp_path / "missing"), "--dataset_name",
            str(data), "--reward_funcs", "trl_rpp.testing.tiny.copy_first_char_reward", "--use_cpu", "--bf16", "False",
            "--report_to", "none",
            "--output_dir", str(tmp_path / "out")]  # fmt: skip
