@@ -36,13 +36,22 @@ sys.path.insert(0, SUPPORT)  # `from trainer_helpers import ...` in the test fil
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")  # see the module docstring; every subprocess inherits it
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the module docstring, too
+
+
+def _run_folder(variable, prefix):
+    """Point `variable` at a new, empty folder of this test run, unless the caller set it (an xdist worker inherits
+    its controller's); returns whether this process made it, and so removes it at the end (`pytest_unconfigure`)."""
+    if variable in os.environ:
+        return False
+    os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+    return True
+
+
 # SmolLM2's converted checkpoint (`trl_rpp.testing.assets`): a cache of this test run's own, never the user's
 # ~/.cache/trl_rpp. Made empty by the first pytest process, as the warm-start folder below, and shared by the xdist
 # workers and the subprocesses they start: the first test that needs SmolLM2 converts it, any other waits for that
 # one conversion (`smollm2_path`'s lock), and tests/test_assets.py checks the conversion this run made.
-_OWNS_CACHE = "TRL_RPP_CACHE" not in os.environ
-if _OWNS_CACHE:
-    os.environ["TRL_RPP_CACHE"] = tempfile.mkdtemp(prefix="trl_rpp-cache-")
+_OWNS_CACHE = _run_folder("TRL_RPP_CACHE", "trl_rpp-cache-")
 # tests/harness/sitecustomize.py: the network guard, here and in every Python subprocess the tests start (as
 # `sitecustomize`), and vLLM hidden from the subprocesses that do not ask for it.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HARNESS, os.environ.get("PYTHONPATH")) if p)
@@ -54,9 +63,7 @@ _spec.loader.exec_module(harness)  # installs the guard
 # its zygotes stop when that process ends (`pytest_unconfigure`), so none outlives the code it imported.
 import warm  # noqa: E402  (tests/support, on sys.path above)
 
-_OWNS_WARM_DIR = warm.WARM_DIR not in os.environ
-if _OWNS_WARM_DIR:
-    os.environ[warm.WARM_DIR] = tempfile.mkdtemp(prefix="trl_rpp-warm-")
+_OWNS_WARM_DIR = _run_folder(warm.WARM_DIR, "trl_rpp-warm-")
 # The pytest processes keep vLLM: xdist's workers start with the PYTHONPATH above, so their sitecustomize hid it.
 if "vllm" in sys.modules and sys.modules["vllm"] is None:
     del sys.modules["vllm"]

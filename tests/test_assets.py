@@ -55,9 +55,9 @@ def test_a_process_that_finds_another_converting_waits_and_uses_its_conversion(t
 
     from trl_rpp.testing.assets import _REQUIRED_FILES, SMOLLM2_SUBDIR, smollm2_path
 
-    target, found = tmp_path / SMOLLM2_SUBDIR, []
-    lock = FileLock(str(tmp_path / f".{SMOLLM2_SUBDIR}.lock"))
-    with lock:
+    target, found, made = tmp_path / SMOLLM2_SUBDIR, [], "made by the other process"
+    lock_name = f".{SMOLLM2_SUBDIR}.lock"
+    with FileLock(str(tmp_path / lock_name)):
         waiter = threading.Thread(target=lambda: found.append(smollm2_path(tmp_path)))
         waiter.start()
         waiter.join(1.0)
@@ -65,14 +65,12 @@ def test_a_process_that_finds_another_converting_waits_and_uses_its_conversion(t
         staging = tmp_path / "finished"  # what the other process's conversion renames into place
         staging.mkdir()
         for name in _REQUIRED_FILES:
-            (staging / name).write_text("made by the other process")
+            (staging / name).write_text(made)
         staging.rename(target)
     waiter.join(5.0)
     assert found == [target]
-    assert {p.name: p.read_text() for p in target.iterdir()} == dict.fromkeys(_REQUIRED_FILES, "made by the other "
-                                                                                                "process")
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != lock.lock_file.rsplit("/", 1)[1]) == [
-        SMOLLM2_SUBDIR]
+    assert {p.name: p.read_text() for p in target.iterdir()} == dict.fromkeys(_REQUIRED_FILES, made)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != lock_name) == [SMOLLM2_SUBDIR]
 
 
 @pytest.mark.slow

@@ -308,11 +308,11 @@ def test_run_jobs_runs_in_order_and_stops_launching_after_a_failure(tmp_path):
     script = tmp_path / "touch.py"
     script.write_text(
         "import json, sys\n"
-        "from study_common import PRELOAD\n"
         "import study_common\n"
         "earlier = getattr(study_common, 'ran_here', None)\n"
         "study_common.ran_here = sys.argv[1]\n"
-        "facts = dict(name=__name__, argv=sys.argv[1:], preloaded=[m for m in PRELOAD if m in sys.modules],\n"
+        "facts = dict(name=__name__, argv=sys.argv[1:],\n"
+        "             preloaded=[m for m in study_common.PRELOAD if m in sys.modules],\n"
         "             earlier=earlier)\n"
         "json.dump(facts, open(sys.argv[1] + '.json', 'w'))\n"
         "raise SystemExit(int(sys.argv[2]))\n")

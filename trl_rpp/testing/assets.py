@@ -295,8 +295,8 @@ def _convert_into(gguf_file: pathlib.Path, root: pathlib.Path, target: pathlib.P
         try:
             os.replace(tmp, target)
         except OSError:
-            # Another process finished first (target is now a non-empty directory), or a foreign
-            # folder appeared meanwhile: left alone, as above.
+            # A process that converts without the lock (an older trl_rpp) finished first (target is
+            # now a non-empty directory), or a foreign folder appeared meanwhile: left alone, as above.
             if not _is_complete(target):
                 _refuse_foreign(target)
                 raise
